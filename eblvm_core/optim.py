@@ -1,0 +1,78 @@
+"""Optimizers (registered by the core itself) and the one helper estimators update through."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.config import non_negative, option, positive
+from eblvm_core.hookspecs import hookimpl
+
+
+@attrs.frozen
+class AdamConfig:
+    lr: float = option(1e-3, "learning rate", positive)
+    beta1: float = option(0.9, "first-moment decay")
+    beta2: float = option(0.999, "second-moment decay")
+    eps: float = option(1e-8, "denominator offset", positive)
+    weight_decay: float = option(0.0, "L2 penalty", non_negative)
+    max_grad_norm: float | None = option(None, "clip the gradient norm to this value")
+
+
+@attrs.frozen
+class SGDConfig:
+    lr: float = option(1e-2, "learning rate", positive)
+    momentum: float = option(0.0, "momentum", non_negative)
+    weight_decay: float = option(0.0, "L2 penalty", non_negative)
+    max_grad_norm: float | None = option(None, "clip the gradient norm to this value")
+
+
+def adam(cfg: AdamConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+    """Adam (Kingma & Ba)."""
+    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt.max_grad_norm = cfg.max_grad_norm  # type: ignore[attr-defined]
+    return opt
+
+
+def sgd(cfg: SGDConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+    """Stochastic gradient descent, optionally with momentum."""
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    opt.max_grad_norm = cfg.max_grad_norm  # type: ignore[attr-defined]
+    return opt
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -> float:
+    """Backward ``loss`` into the optimizer's parameters (if given), clip, and step.
+
+    Gradients of the optimizer's parameters are zeroed first, so a caller that fills
+    ``.grad`` itself passes ``loss=None`` after doing so. Returns the gradient norm before
+    clipping.
+    """
+    params = optimizer_params(optimizer)
+    if loss is not None:
+        for p in params:
+            p.grad = None
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        for p, g in zip(params, grads):
+            p.grad = g if g is not None else torch.zeros_like(p)
+    max_norm = getattr(optimizer, "max_grad_norm", None)
+    with_grad = [p for p in params if p.grad is not None]
+    if max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad])) if with_grad else torch.zeros(())
+    optimizer.step()
+    return float(norm)
+
+
+@hookimpl
+def register_optimizers(register):
+    register("adam", adam, AdamConfig)
+    register("sgd", sgd, SGDConfig)

@@ -1,0 +1,44 @@
+"""TensorBoard sink: scalars and images of a run, under <run_dir>/tensorboard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+from torch import Tensor
+
+from eblvm_core.config import option, positive
+from eblvm_core.contracts import Logger
+from eblvm_core.hookspecs import hookimpl
+
+
+@attrs.frozen
+class TensorBoardConfig:
+    subdir: str = option("tensorboard", "folder inside the run directory for the event files")
+    flush_secs: int = option(30, "seconds between flushes to disk", positive)
+
+
+class TensorBoardLogger(Logger):
+    """Writes scalars (losses, learning rates, gradient norms, evaluator results) and images."""
+
+    def __init__(self, cfg: TensorBoardConfig, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(Path(run_dir) / cfg.subdir), flush_secs=cfg.flush_secs)
+
+    def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, value, step)
+
+    def log_images(self, step: int, images: dict[str, Tensor]) -> None:
+        for key, image in images.items():
+            self.writer.add_image(key, image.detach().float().cpu().clamp(0, 1), step, dataformats="CHW")
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
+
+
+@hookimpl
+def register_loggers(register):
+    register("tensorboard", TensorBoardLogger, TensorBoardConfig)

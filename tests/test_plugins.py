@@ -1,0 +1,105 @@
+"""Plugin discovery, pinning, failure isolation and registries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import attrs
+import pytest
+
+from eblvm_core.errors import ConfigError
+from eblvm_core.registry import Registry
+
+
+def fake_distribution(site: Path, plugin: str, module: str, source: str) -> None:
+    """A minimal installed distribution (dist-info with an `eblvm` entry point) in ``site``."""
+    info = site / f"{plugin}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {plugin}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[eblvm]\n{plugin} = {module}\n")
+    (site / f"{module}.py").write_text(textwrap.dedent(source))
+
+
+def eblvm(args: list[str], site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "EBLVM_LOAD_PLUGINS"}
+    environ.update(env)
+    if site is not None:
+        environ["PYTHONPATH"] = os.pathsep.join([str(site), environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "eblvm_core.cli", *args], capture_output=True, text=True, env=environ)
+
+
+def test_broken_plugin_is_reported_and_the_rest_work(tmp_path):
+    fake_distribution(tmp_path, "broken", "eblvm_broken_plugin", "raise ImportError('missing dependency frobnicate')")
+    proc = eblvm(["plugins"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "plugin 'broken' failed to load" in proc.stderr and "frobnicate" in proc.stderr
+    assert "broken  FAILED" in proc.stdout
+    assert "model grbm" in proc.stdout and "dataset checkerboard" in proc.stdout
+    recipes = sorted(str(p) for p in Path("recipes").glob("*.toml"))
+    assert eblvm(["validate", *recipes], tmp_path).returncode == 0
+
+
+def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
+    fake_distribution(tmp_path, "halfkl", "eblvm_halfkl", """
+        import attrs
+        from eblvm_core.config import option, positive
+        from eblvm_core.hookspecs import hookimpl
+
+        @attrs.frozen
+        class HalfConfig:
+            scale: float = option(0.5, "multiplier", positive)
+
+        def half(cfg, parts):
+            '''A divergence for tests.'''
+            return None
+
+        @hookimpl
+        def register_divergences(register):
+            register("half", half, HalfConfig)
+    """)
+    proc = eblvm(["plugins"], tmp_path)
+    assert "halfkl  (eblvm_halfkl)" in proc.stdout
+    assert "divergence half: A divergence for tests." in proc.stdout
+    assert "scale: float = 0.5  multiplier" in proc.stdout
+
+
+def test_load_plugins_pins_the_set(tmp_path):
+    proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,grbm")
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line and not line.startswith(" ")]
+    assert names == ["core", "grbm", "toy"]
+    proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,nosuch")
+    assert "plugin 'nosuch' failed" in proc.stderr and "not installed" in proc.stderr
+
+
+def test_misspelt_hook_is_caught(tmp_path):
+    fake_distribution(tmp_path, "typo", "eblvm_typo", """
+        from eblvm_core.hookspecs import hookimpl
+
+        @hookimpl
+        def register_model(register):
+            pass
+    """)
+    proc = eblvm(["plugins"], tmp_path)
+    assert proc.returncode == 0
+    assert "plugin 'typo' failed" in proc.stderr and "register_model" in proc.stderr
+
+
+def test_registry_did_you_mean_and_duplicates():
+    @attrs.frozen
+    class Cfg:
+        x: int = 1
+
+    reg = Registry("models")
+    reg.add("grbm", lambda c, p: None, Cfg)
+    reg.add("resnet", lambda c, p: None, Cfg)
+    with pytest.raises(ConfigError) as err:
+        reg.get("grmb", section="model")
+    assert "did you mean 'grbm'" in str(err.value) and "valid: grbm, resnet" in str(err.value)
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.add("grbm", lambda c, p: None, Cfg)
+    with pytest.raises(TypeError, match="attrs class"):
+        reg.add("bad", lambda c, p: None, dict)

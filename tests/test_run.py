@@ -1,0 +1,172 @@
+"""End-to-end runs through the CLI: run directory, metrics, TensorBoard, checkpoints, resume, NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eblvm_core import checkpoint as ckpt
+from tests.conftest import SMALL_RECIPE
+
+WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
+
+
+def only_run_dir(out: Path) -> Path:
+    (name_dir,) = list(out.iterdir())
+    (run_dir,) = list(name_dir.iterdir())
+    return run_dir
+
+
+def test_short_run_writes_run_directory(cli, write_recipe, tmp_path):
+    out = tmp_path / "runs"
+    result = cli(["run", write_recipe(WITH_PLOT), "--out", out, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "exact-loglik/test_loglik:" in result.output
+    run_dir = only_run_dir(out)
+    assert run_dir.parent.name == "small"
+
+    # the resolved recipe holds the seed and every default
+    from eblvm_core.recipe import load_recipe
+
+    resolved = load_recipe(run_dir / "recipe.toml")
+    assert resolved.run.seed == 7 and resolved.run.device == "cpu"
+    assert resolved.optim["model"].config.beta2 == 0.999
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [10, 20, 30]
+    final = [r for r in records if "eval/exact-loglik/test_loglik" in r]
+    assert final and final[-1]["step"] == 30 and final[-1]["eval/density-plot/grid_mass"] > 0
+
+    state = ckpt.load(run_dir / "checkpoints" / "last.pt")
+    assert state["step"] == 30 and set(state["optimizers"]) == {"model"}
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0}).Reload()
+    tags = events.Tags()
+    assert {"train/loss", "train/grad_norm/model", "lr/model", "eval/exact-loglik/test_loglik"} <= set(tags["scalars"])
+    assert [s.step for s in events.Scalars("train/loss")] == [10, 20, 30]
+    assert "eval/density-plot/density" in tags["images"]
+
+
+def test_seed_is_chosen_and_written_back(cli, write_recipe, tmp_path):
+    out = tmp_path / "runs"
+    result = cli(["run", write_recipe(SMALL_RECIPE.replace("seed = 7\n", "")), "--out", out, "-o", "run.steps=2"])
+    assert result.exit_code == 0, result.output
+    from eblvm_core.recipe import load_recipe
+
+    assert isinstance(load_recipe(only_run_dir(out) / "recipe.toml").run.seed, int)
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return ckpt.load(run_dir / "checkpoints" / "last.pt")["model"]
+
+
+def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
+    from eblvm_core.trainer import run
+
+    recipe = write_recipe(SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 50"))
+    quiet = lambda _msg: None  # noqa: E731
+    full_dir, _ = run(recipe, out=tmp_path / "full", echo=quiet)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out.glob("*/*/checkpoints/last.pt"))
+        if found:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_dir = only_run_dir(out)
+    killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
+    assert killed_at < 1500, "the run finished before it could be killed; the test proves nothing"
+
+    run(None, resume=killed_dir, echo=quiet)
+    a, b = params(full_dir), params(killed_dir)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    # metrics of the resumed part are appended, not rewritten
+    steps = [json.loads(l)["step"] for l in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 1500
+
+
+def test_nan_loss_stops_cleanly_and_keeps_last_good_checkpoint(cli, write_recipe, tmp_path, monkeypatch):
+    import eblvm_core.build as build_module
+
+    real_build = build_module.build
+
+    def build_with_nan(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        estimator, real_step, count = built.parts.estimator, built.parts.estimator.step, [0]
+
+        def step(batch):
+            count[0] += 1
+            metrics = real_step(batch)
+            if count[0] == 25:
+                with torch.no_grad():
+                    built.parts.model.W.fill_(float("nan"))
+                metrics["loss"] = float("nan")
+            return metrics
+
+        estimator.step = step
+        return built
+
+    monkeypatch.setattr(build_module, "build", build_with_nan)
+    out = tmp_path / "runs"
+    result = cli(["run", write_recipe(), "--out", out])
+    assert result.exit_code == 3
+    assert "step 25: training loss is nan" in result.output
+    assert "last good checkpoint" in result.output and "(step 20)" in result.output
+    state = ckpt.load(only_run_dir(out) / "checkpoints" / "last.pt")
+    assert state["step"] == 20
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_resume_needs_a_checkpoint(cli, tmp_path):
+    result = cli(["run", "--resume", tmp_path])
+    assert result.exit_code == 2 and "no checkpoint to resume from" in result.output
+
+
+def test_atomic_save_leaves_old_file_on_failure(tmp_path):
+    path = tmp_path / "c.pt"
+    ckpt.save_atomic({"x": torch.ones(2)}, path)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    try:
+        ckpt.save_atomic({"x": Unpicklable()}, path)
+    except RuntimeError:
+        pass
+    assert torch.equal(ckpt.load(path)["x"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"], "no temp file may be left behind"
+
+
+def test_checkpoints_load_weights_only(tmp_path):
+    import pickle
+
+    path = tmp_path / "evil.pt"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    torch.save({"x": Evil()}, path, pickle_module=pickle)
+    try:
+        ckpt.load(path)
+    except pickle.UnpicklingError:
+        return
+    raise AssertionError("a checkpoint with arbitrary objects must not load")
