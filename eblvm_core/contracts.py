@@ -70,6 +70,15 @@ class Posterior(nn.Module):
         """
         raise NotImplementedError
 
+    def sample(self, v: Tensor, n: int = 1) -> Tensor:
+        """n exact samples, not differentiable: v (B, d) -> h (n, B, m).
+
+        Defaults to detached ``rsample``; posteriors whose ``rsample`` is a relaxation (Bernoulli)
+        override it with exact draws.
+        """
+        with torch.no_grad():
+            return self.rsample(v, n)
+
     def log_prob(self, h: Tensor, v: Tensor) -> Tensor:
         """log q(h | v): h (..., B, m), v (B, d) -> (..., B)."""
         raise NotImplementedError
@@ -147,13 +156,15 @@ class DataSplits:
     """A dataset held as tensors: train (N, *shape); val and test alike or None.
 
     ``bounds`` is the box the data lives in, ((low, high) per dimension) where known; plots
-    and grid integrals use it.
+    and grid integrals use it. ``image_shape`` is the (C, H, W) of one example when the data
+    are images stored flat (train (N, C·H·W)), so evaluators can reshape them; else None.
     """
 
     train: Tensor
     test: Tensor
     val: Tensor | None = None
     bounds: tuple[tuple[float, float], ...] | None = None
+    image_shape: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
