@@ -1,0 +1,178 @@
+"""VaES / VaGES (Bao et al., ICML 2021) and the importance-sampled score baseline.
+
+For value-only objectives F(s) (DSM, KSD): the score at the objective's points is estimated
+from L posterior samples, ŝ(x) = (1/L) Σ_l ∇_x log p̃(x, h_l) (VaES), and its θ-gradient by
+(1/L) Σ_l ∂∇_x log p̃(x, h_l)/∂θ + Cov_q(∇_x log p̃(x, h), ∇_θ log p̃(x, h)) (VaGES). The
+posterior is fitted by K lower-level steps per batch, as in BiSM, without unrolling.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.config import non_negative, option, positive
+from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreObjective
+from eblvm_core.errors import ConfigError
+from eblvm_core.optim import apply_update
+
+
+def joint_scores(model: EnergyModel, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """∇_x log p̃(x, h_l) (L, B, d) with the graph to θ kept, and log p̃(x, h_l) (L, B).
+
+    x (B, d) is detached inside; h (L, B, m) is treated as a constant.
+    """
+    n, b = h.shape[:2]
+    xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:]).requires_grad_(True)
+    log_joint = -model.energy(xl, h.reshape(n * b, -1))
+    (grad,) = torch.autograd.grad(log_joint.sum(), xl, create_graph=True)
+    return grad.view(n, b, -1), log_joint.view(n, b)
+
+
+def langevin_correct(model: EnergyModel, x: Tensor, h: Tensor, steps: int, step_size: float, noise: float) -> Tensor:
+    """C steps h ← h − ½α∇_h E(x, h) + s·ξ on h (L, B, m), continuous h; returns detached h.
+
+    With s ≪ √α (the papers' deep-model setting s = 1e-4) this is noisy gradient descent on the
+    energy in h, not a sampler of p(h|x).
+    """
+    n, b = h.shape[:2]
+    xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:])
+    h = h.detach().reshape(n * b, -1)
+    for _ in range(steps):
+        h = h.requires_grad_(True)
+        (grad,) = torch.autograd.grad(model.energy(xl, h).sum(), h)
+        h = (h - 0.5 * step_size * grad + noise * torch.randn_like(h)).detach()
+    return h.view(n, b, -1)
+
+
+class VariationalScore(Estimator):
+    """Trains θ on a value-only objective through VaES (``covariance=False``) or VaGES."""
+
+    def __init__(self, parts: Parts, cfg: "VaGESConfig", covariance: bool):
+        self.model: EnergyModel = parts.need("model", "estimator")
+        self.posterior: Posterior = parts.need("posterior", "estimator")
+        self.objective: ScoreObjective = parts.need("objective", "estimator")
+        self.divergence = parts.need("divergence", "estimator")
+        if not self.objective.value_only:
+            raise ConfigError("objective", "kind", "VaES/VaGES need an objective that uses only score values (dsm, ksd)")
+        if covariance and cfg.n_samples < 2:
+            raise ConfigError("estimator", "n_samples", "VaGES needs at least 2 posterior samples for the covariance term")
+        if cfg.langevin_steps and self.model.latent is not None and self.model.latent.kind != "gaussian":
+            raise ConfigError("estimator", "langevin_steps", "Langevin correction needs continuous (gaussian) h")
+        self.cfg, self.covariance = cfg, covariance
+        self.theta = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizers = {
+            "model": parts.make_optimizer("model", self.theta),
+            "posterior": parts.make_optimizer("posterior", [p for p in self.posterior.parameters() if p.requires_grad]),
+        }
+
+    def fit_posterior(self, x: Tensor) -> dict[str, float]:
+        """K updates of φ on the lower-level divergence at the points x; θ gets no gradient."""
+        metrics: dict[str, float] = {}
+        for _ in range(self.cfg.inner_steps):
+            lower = self.divergence(self.model, self.posterior, x).mean()
+            metrics["grad_norm/posterior"] = apply_update(self.optimizers["posterior"], lower)
+            metrics["lower_loss"] = float(lower.detach())
+        return metrics
+
+    def posterior_samples(self, x: Tensor) -> Tensor:
+        """h_1..h_L ~ q(h|x) (L, B, m), exact draws, optionally Langevin-corrected; constants."""
+        h = self.posterior.sample(x.detach(), self.cfg.n_samples)
+        if self.cfg.langevin_steps:
+            h = langevin_correct(self.model, x, h, self.cfg.langevin_steps, self.cfg.langevin_step_size, self.cfg.langevin_noise)
+        return h
+
+    def surrogate(self, x: Tensor, context: Any, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(surrogate, objective value): the surrogate's θ-gradient is z · (VaGES estimate of ∂s/∂θ).
+
+        z = ∂F/∂s at s = VaES (a constant); surrogate = Σ_b z_b·ŝ_b + (1/(L−1)) Σ_{l,b}
+        stopgrad(a_lb − ā_b) log p̃(x_b, h_lb) with a_lb = z_b·∇_x log p̃(x_b, h_lb).
+        """
+        grads, log_joint = joint_scores(self.model, x, h)
+        s = grads.mean(0)
+        s_const = s.detach().requires_grad_(True)
+        value = self.objective.loss_at(x.detach(), s_const, context).mean()
+        (z,) = torch.autograd.grad(value, s_const)
+        surrogate = (z * s).sum()
+        if self.covariance:
+            a = (grads.detach() * z).sum(-1)  # (L, B)
+            centred = a - a.mean(0, keepdim=True)
+            surrogate = surrogate + (centred * log_joint).sum() / (h.shape[0] - 1)
+        return surrogate, value.detach()
+
+    def step(self, batch: Tensor) -> dict[str, float]:
+        """batch (B, d) -> metrics: K posterior updates, then one θ update along VaGES."""
+        x, context = self.objective.points(batch)
+        metrics = self.fit_posterior(x)
+        surrogate, value = self.surrogate(x, context, self.posterior_samples(x))
+        metrics["grad_norm/model"] = apply_update(self.optimizers["model"], surrogate)
+        metrics["loss"] = float(value)
+        return metrics
+
+
+@attrs.frozen
+class VaGESConfig:
+    n_samples: int = option(2, "posterior samples L per point (VaGES needs L >= 2)", positive)
+    inner_steps: int = option(5, "lower-level posterior updates K per batch", non_negative)
+    langevin_steps: int = option(0, "Langevin correction steps C on h (continuous h only)", non_negative)
+    langevin_step_size: float = option(1e-2, "Langevin step size α", positive)
+    langevin_noise: float = option(1e-4, "Langevin noise scale s; s ≪ √α makes it noisy gradient descent", non_negative)
+
+
+def build_vages(cfg: VaGESConfig, parts: Parts) -> VariationalScore:
+    """VaGES: variational score and score-gradient estimates (with the covariance term)."""
+    return VariationalScore(parts, cfg, covariance=True)
+
+
+def build_vaes(cfg: VaGESConfig, parts: Parts) -> VariationalScore:
+    """VaES: the objective is fed the variational score estimate; no covariance term."""
+    return VariationalScore(parts, cfg, covariance=False)
+
+
+@attrs.frozen
+class ISConfig:
+    n_samples: int = option(2, "uniform Bernoulli proposals L per point", positive)
+
+
+class ImportanceScore(Estimator):
+    """Baseline (IS-KSD in the VaGES paper): the score of the importance-sampled free energy.
+
+    log p̂(x) = logsumexp_l(−E(x, h_l)) − log L + m log 2 with h_l ~ Uniform{0,1}^m held fixed,
+    so ŝ(x) = Σ_l w_l ∇_x log p̃(x, h_l) with self-normalised weights w ∝ p̃(x, h_l).
+    """
+
+    def __init__(self, parts: Parts, n_samples: int):
+        self.model: EnergyModel = parts.need("model", "estimator")
+        self.objective: ScoreObjective = parts.need("objective", "estimator")
+        latent = self.model.latent
+        if latent is None or latent.kind != "bernoulli":
+            raise ConfigError("estimator", "kind", "is-score uses uniform Bernoulli proposals: the model needs Bernoulli h")
+        self.n_samples, self.m = n_samples, latent.dim
+        self.optimizers = {"model": parts.make_optimizer("model", [p for p in self.model.parameters() if p.requires_grad])}
+
+    def score(self, x: Tensor) -> Tensor:
+        """x (B, d) -> ŝ(x) (B, d), differentiable in x and θ; fresh proposals each call."""
+        n, b = self.n_samples, x.shape[0]
+        h = torch.bernoulli(torch.full((n * b, self.m), 0.5, dtype=x.dtype, device=x.device))
+        if not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        xl = x.unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:])
+        log_joint = -self.model.energy(xl, h).view(n, b)
+        log_p = torch.logsumexp(log_joint, 0) - math.log(n) + self.m * math.log(2.0)
+        (grad,) = torch.autograd.grad(log_p.sum(), x, create_graph=True)
+        return grad
+
+    def step(self, batch: Tensor) -> dict[str, float]:
+        x, context = self.objective.points(batch)
+        loss = self.objective.loss(self.score, x, context).mean()
+        grad_norm = apply_update(self.optimizers["model"], loss)
+        return {"loss": float(loss.detach()), "grad_norm/model": grad_norm}
+
+
+def build_is_score(cfg: ISConfig, parts: Parts) -> ImportanceScore:
+    """Importance-sampled score with uniform Bernoulli proposals (the IS-KSD baseline)."""
+    return ImportanceScore(parts, cfg.n_samples)
