@@ -55,7 +55,7 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -
     ``.grad`` itself passes ``loss=None`` after doing so. Returns the gradient norm before
     clipping.
     """
-    params = optimizer_params(optimizer)
+    params = [p for p in optimizer_params(optimizer) if p.requires_grad]
     if loss is not None:
         for p in params:
             p.grad = None

@@ -6,7 +6,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
+
+# The tests' tensors are tiny: one thread avoids oversubscribing a small CI machine.
+torch.set_num_threads(1)
 
 # A small exact-score DSM run on a small checkerboard: fast enough for end-to-end tests.
 SMALL_RECIPE = """

@@ -1,0 +1,59 @@
+"""The sample grid: model samples drawn by a registered sampler, shown as one image."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import attrs
+import torch
+from torchvision.utils import make_grid
+
+from eblvm_core.config import non_negative, option, positive, structure
+from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.errors import ConfigError
+from eblvm_core.plugins import registry
+
+
+@attrs.frozen
+class SampleGridConfig:
+    sampler: str = option("gibbs", "registered sampler that draws the samples (listed by `eblvm plugins`)")
+    sampler_options: dict[str, Any] = option({}, "that sampler's options, e.g. { burn_in = 200 }; the others keep their defaults")
+    n: int = option(64, "number of samples in the grid", positive)
+    nrow: int = option(8, "images per row of the grid", positive)
+    padding: int = option(2, "white pixels between images", non_negative)
+    seed: int = option(0, "seed of the sampler's generator: every evaluation starts from the same noise")
+
+
+def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+    """Model samples from a registered sampler (default: Gibbs), clamped to [0, 1] and tiled as an image grid."""
+    parts.need("model", "")
+    data = parts.need("data", "")
+    shape = data.image_shape
+    if shape is None:
+        raise ConfigError("", "kind", f"sample-grid draws images; this dataset (d={data.dim}) has no image shape")
+    if math.prod(shape) != data.dim:
+        raise ConfigError("", "kind", f"the dataset's image shape {shape} does not hold its d={data.dim} values")
+    samplers = registry("samplers")
+    if cfg.sampler not in samplers:
+        raise ConfigError("", "sampler", f"unknown sampler '{cfg.sampler}'; valid: {', '.join(samplers.names()) or 'none registered'}")
+    entry = samplers.get(cfg.sampler)
+    try:
+        sampler_cfg = structure(entry.config, cfg.sampler_options, "")
+    except ConfigError as exc:
+        key = f"sampler_options.{exc.key}" if exc.key else "sampler_options"
+        raise ConfigError("", key, f"sampler '{cfg.sampler}': {exc.message}") from None
+    try:
+        sampler = entry.factory(sampler_cfg, parts)
+    except ConfigError as exc:
+        raise ConfigError("", "sampler", exc.message) from None
+
+    def evaluate(parts: Parts) -> EvalResult:
+        """{"samples": (3, H', W')}: n images of shape (C, H, W) tiled nrow to a row, in [0, 1]."""
+        generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
+        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, d)
+        images = samples.reshape(cfg.n, *shape).clamp(0, 1).float().cpu()
+        grid = make_grid(images, nrow=cfg.nrow, padding=cfg.padding, pad_value=1.0)
+        return EvalResult(images={"samples": grid})
+
+    return evaluate

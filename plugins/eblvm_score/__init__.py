@@ -1,0 +1,23 @@
+"""Score plugin: the SM, SSM, DSM and KSD objectives and the exact-score baseline estimator."""
+
+from eblvm_core.hookspecs import hookimpl
+from eblvm_core.registry import NoConfig
+
+from eblvm_score.estimators import ExactScore, build_exact_score
+from eblvm_score.ksd import KSD, KSDConfig, build_ksd
+from eblvm_score.objectives import DSM, SM, SSM, DSMConfig, SSMConfig, build_dsm, build_sm, build_ssm
+
+__all__ = ["DSM", "KSD", "SM", "SSM", "ExactScore"]
+
+
+@hookimpl
+def register_objectives(register):
+    register("sm", build_sm, NoConfig)
+    register("ssm", build_ssm, SSMConfig)
+    register("dsm", build_dsm, DSMConfig)
+    register("ksd", build_ksd, KSDConfig)
+
+
+@hookimpl
+def register_estimators(register):
+    register("exact-score", build_exact_score, NoConfig)

@@ -1,0 +1,186 @@
+"""The exact-loglik (GRBM) and density-plot (metrics) evaluators: values, images and refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from eblvm_core.contracts import DataSplits, EnergyModel, EvalResult, Parts
+from eblvm_core.errors import ConfigError
+from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
+from eblvm_grbm.model import GRBM
+from eblvm_metrics.density import GAP, DensityPlotConfig, build_density_plot, colormap, histogram
+
+
+def grbm(d: int, m: int, sigma: float, seed: int = 0, weight_std: float = 0.6) -> GRBM:
+    torch.manual_seed(seed)
+    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std).double()
+    with torch.no_grad():
+        model.c.normal_(0.0, 0.5)
+    return model
+
+
+def parts_for(model: EnergyModel, data: DataSplits) -> Parts:
+    return Parts(dtype=torch.float64, data=data, model=model)
+
+
+def splits(d: int = 1, n: int = 50, bounds=None, val: bool = False) -> DataSplits:
+    gen = torch.Generator().manual_seed(5)
+    make = lambda: torch.randn(n, d, generator=gen, dtype=torch.float64)  # noqa: E731
+    return DataSplits(train=make(), test=make(), val=make() if val else None, bounds=bounds)
+
+
+# ---- exact-loglik ----------------------------------------------------------------------------
+
+
+def test_exact_loglik_equals_numerical_integral():
+    """d = 1: log Z by a fine Riemann sum of exp(−F), compared with the evaluator's mean."""
+    model, data = grbm(d=1, m=3, sigma=0.8), splits(d=1)
+    with torch.no_grad():
+        modes = model.visible_mean(torch.tensor([[0.0] * 3, [1.0] * 3], dtype=torch.float64))
+        # the modes b + σWh lie between the sums of negative and positive weights
+        span = float(model.sigma * model.W.abs().sum()) + 12 * float(model.sigma)
+        grid = torch.linspace(-span, span, 200001, dtype=torch.float64).unsqueeze(1)
+        log_z = torch.logsumexp(-model.free_energy(grid), 0) + math.log(float(grid[1] - grid[0]))
+        expected = float((-model.free_energy(data.test) - log_z).mean())
+    assert modes.abs().max() < span
+    evaluate = build_exact_loglik(ExactLoglikConfig(batch_size=7), parts_for(model, data))
+    result = evaluate(parts_for(model, data))
+    assert isinstance(result, EvalResult) and set(result.scalars) == {"test_loglik"}
+    assert result.scalars["test_loglik"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_exact_loglik_matches_model_formula_on_each_split():
+    model, data = grbm(d=2, m=4, sigma=0.5), splits(d=2, val=True)
+    parts = parts_for(model, data)
+    for split in ("train", "val", "test"):
+        result = build_exact_loglik(ExactLoglikConfig(split=split), parts)(parts)
+        expected = float(model.log_likelihood(getattr(data, split)).detach().mean())
+        assert result.scalars == {f"{split}_loglik": pytest.approx(expected, abs=1e-12)}
+
+
+def test_exact_loglik_leaves_no_graph():
+    model, data = grbm(d=2, m=2, sigma=1.0), splits(d=2)
+    parts = parts_for(model, data)
+    value = build_exact_loglik(ExactLoglikConfig(), parts)(parts).scalars["test_loglik"]
+    assert isinstance(value, float)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class NoFreeEnergy(EnergyModel):
+    def energy(self, v: Tensor, h: Tensor) -> Tensor:
+        return (v**2).sum(-1)
+
+
+class FreeEnergyOnly(EnergyModel):
+    """A Gaussian with a free energy but no log_partition."""
+
+    def free_energy(self, v: Tensor) -> Tensor:
+        return 0.5 * (v**2).sum(-1)
+
+
+def test_exact_loglik_refusals():
+    data = splits(d=2)
+    with pytest.raises(ConfigError, match="m=25 > max_hidden=20") as info:
+        build_exact_loglik(ExactLoglikConfig(), parts_for(GRBM(2, 25), data))
+    assert info.value.key == "max_hidden"
+    with pytest.raises(ConfigError, match="m=5 > max_hidden=4"):
+        build_exact_loglik(ExactLoglikConfig(max_hidden=4), parts_for(GRBM(2, 5), data))
+    for model in (NoFreeEnergy(), FreeEnergyOnly()):
+        with pytest.raises(ConfigError, match="log_partition") as info:
+            build_exact_loglik(ExactLoglikConfig(), parts_for(model, data))
+        assert info.value.key == "kind"
+    with pytest.raises(ConfigError, match="no 'val' split") as info:
+        build_exact_loglik(ExactLoglikConfig(split="val"), parts_for(GRBM(2, 3), data))
+    assert info.value.key == "split"
+
+
+# ---- density-plot ----------------------------------------------------------------------------
+
+BOX = ((0.0, 1.0), (0.0, 1.0))
+
+
+def test_density_plot_image_and_grid_mass():
+    model = grbm(d=2, m=3, sigma=0.06, weight_std=0.5)
+    with torch.no_grad():
+        model.b.fill_(0.5)  # modes b + σWh stay within ~0.1 of the centre: all mass inside the box
+    data = DataSplits(train=torch.rand(500, 2, dtype=torch.float64), test=torch.rand(300, 2, dtype=torch.float64), bounds=BOX)
+    parts = parts_for(model, data)
+    result = build_density_plot(DensityPlotConfig(grid=60, bins=20), parts)(parts)
+    image = result.images["density"]
+    assert image.shape == (3, 60, 2 * 60 + GAP)
+    assert image.min() >= 0 and image.max() <= 1
+    assert set(result.scalars) == {"grid_mass"}
+    assert result.scalars["grid_mass"] == pytest.approx(1.0, abs=2e-3)
+
+
+def test_density_plot_grid_mass_is_the_mass_inside_the_box():
+    """A GRBM with W = 0 is N(b, σ²I): its mass in the unit box is a product of normal CDFs."""
+    model = GRBM(2, 2, init_sigma=0.4).double()
+    with torch.no_grad():
+        model.W.zero_()
+        model.b.copy_(torch.tensor([0.3, 0.9], dtype=torch.float64))
+    normal = torch.distributions.Normal(model.b.detach(), model.sigma.detach())
+    expected = float((normal.cdf(torch.ones(2, dtype=torch.float64)) - normal.cdf(torch.zeros(2, dtype=torch.float64))).prod())
+    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    parts = parts_for(model, data)
+    result = build_density_plot(DensityPlotConfig(grid=200), parts)(parts)
+    assert result.scalars["grid_mass"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_density_plot_draws_y_upwards():
+    """A model peaked near the top-left corner lights up the top-left of the left panel."""
+    model = GRBM(2, 1, init_sigma=0.1).double()
+    with torch.no_grad():
+        model.W.zero_()
+        model.b.copy_(torch.tensor([0.125, 0.875], dtype=torch.float64))  # centre of pixel (row 2, col 2)
+    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    parts = parts_for(model, data)
+    image = build_density_plot(DensityPlotConfig(grid=20), parts)(parts).images["density"]
+    brightness = image[:, :, :20].sum(0)
+    row, col = divmod(int(brightness.argmax()), 20)
+    assert (row, col) == (2, 2)
+
+
+def test_density_plot_omits_grid_mass_without_log_partition():
+    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    parts = parts_for(FreeEnergyOnly(), data)
+    result = build_density_plot(DensityPlotConfig(grid=16), parts)(parts)
+    assert result.scalars == {} and result.images["density"].shape == (3, 16, 32 + GAP)
+
+
+def test_histogram_is_a_density():
+    points = torch.rand(4000, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    hist = histogram(points, BOX, bins=10, n=10)
+    assert float(hist.sum() / 100) == pytest.approx(1.0, abs=1e-12)
+    # sampled at more pixels than bins, each bin is repeated
+    assert torch.equal(histogram(points, BOX, bins=10, n=40)[::4, ::4], hist)
+
+
+def test_colormap_range_and_ends():
+    values = torch.linspace(0, 1, 11).reshape(1, 11)
+    rgb = colormap(values)
+    assert rgb.shape == (3, 1, 11) and rgb.min() >= 0 and rgb.max() <= 1
+    assert rgb[:, 0, -1].sum() > rgb[:, 0, 0].sum()  # bright for high density
+
+
+def test_density_plot_refusals():
+    box3 = ((0.0, 1.0),) * 3
+    with pytest.raises(ConfigError, match="free energy"):
+        build_density_plot(DensityPlotConfig(), parts_for(NoFreeEnergy(), splits(d=2, bounds=BOX)))
+    with pytest.raises(ConfigError, match="d=3"):
+        build_density_plot(DensityPlotConfig(), parts_for(GRBM(3, 2), splits(d=3, bounds=box3)))
+    with pytest.raises(ConfigError, match="no bounds"):
+        build_density_plot(DensityPlotConfig(), parts_for(GRBM(2, 2), splits(d=2)))
+    with pytest.raises(ConfigError, match="no 'val' split"):
+        build_density_plot(DensityPlotConfig(split="val"), parts_for(GRBM(2, 2), splits(d=2, bounds=BOX)))
+
+
+def test_evaluators_are_registered():
+    from eblvm_core.plugins import load
+
+    names = load(warn=False)["evaluators"].names()
+    assert {"exact-loglik", "density-plot"} <= set(names)
