@@ -1,0 +1,640 @@
+"""The plugin author's toolkit: exact test models, fixtures and the contract checks of each kind.
+
+Every component of a kind must pass its kind's check; eblvm's bundled plugins run the same
+checks over the registry (``tests/test_contracts.py``). In a plugin's own tests::
+
+    from eblvm_core.testing import check_divergence
+    from eblvm_mydiv import MyDivergence
+
+    def test_contract():
+        check_divergence(MyDivergence(n_samples=4))
+
+The checks raise ``AssertionError`` with a message saying what failed and why it matters:
+``check_divergence``, ``check_objective``, ``check_estimator``, ``check_model``,
+``check_posterior``, ``check_dataset``, ``check_sampler``, ``check_evaluator``, ``check_logger``
+and ``check_optimizer``. ``make(kind, name, parts, **options)`` builds a registered component
+with its options validated as in a recipe; ``run_short`` trains a few steps of a recipe.
+
+This module is also a pytest plugin (the ``eblvm`` entry of the ``pytest11`` group, loaded
+automatically once eblvm is installed; ``-p no:eblvm`` turns it off) with the fixtures
+``tiny_grbm`` and ``linear_gaussian`` (an :class:`Exact` setup each) and ``short_run``
+(``short_run(recipe_text_or_path, steps=5, **overrides) -> RunResult``, run in a temporary folder).
+
+Exact setups and the registered components they use (``grbm``, ``bernoulli``, ``gaussian``)
+are built through the registry, so the bundled plugins must be loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import attrs
+import pytest
+import torch
+from torch import Tensor, nn
+
+from eblvm_core.contracts import DataSplits, Divergence, EnergyModel, LatentSpec, Parts, Posterior, ScoreObjective
+
+F64 = torch.float64
+
+
+def make(kind: str, name: str, parts: Any = None, **options: Any) -> Any:
+    """Build the registered component ``name`` of ``kind`` (a registry name: "divergences", ...).
+
+    ``options`` are checked against its config class exactly like a recipe section (unknown
+    keys, types, validators) and the factory is called as ``factory(config, parts)``; for
+    optimizers and loggers pass the params or the run directory as ``parts``.
+    """
+    from eblvm_core.config import structure
+    from eblvm_core.plugins import load
+
+    entry = load()[kind].get(name)
+    config = structure(entry.config, options, kind[:-1])
+    return entry.factory(config, Parts() if parts is None else parts)
+
+
+# ---- models with an exact posterior ----------------------------------------------------------
+
+
+class LinearGaussianEBLVM(EnergyModel):
+    """A linear-Gaussian EBLVM for exact checks: Gaussian v and h, bilinear coupling.
+
+    E(v, h) = ½λ‖v − b‖² + ½hᵀDh − vᵀWh − cᵀh with λ = exp(log_lam), D = diag(exp(log_d)).
+    Its posterior is p(h|v) = N(D⁻¹(Wᵀv + c), D⁻¹) and its free energy is Gaussian in v, so the
+    exact marginal score (and every score-matching gradient) is available by autograd.
+    """
+
+    def __init__(self, d: int, m: int, generator: torch.Generator | None = None, dtype: torch.dtype = F64):
+        super().__init__()
+        self.latent = LatentSpec("gaussian", m)
+
+        def rand(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator, dtype=dtype)
+
+        # λ = e^{0.7} ≈ 2 dominates W D⁻¹ Wᵀ for these scales, so the joint is normalisable.
+        self.W = nn.Parameter(0.4 * rand(d, m))
+        self.b = nn.Parameter(0.5 * rand(d))
+        self.c = nn.Parameter(0.5 * rand(m))
+        self.log_d = nn.Parameter(0.3 * rand(m))
+        self.log_lam = nn.Parameter(torch.tensor(0.7, dtype=dtype))
+
+    def energy(self, v: Tensor, h: Tensor) -> Tensor:
+        """v (B, d), h (B, m) -> (B,)."""
+        lam, d = self.log_lam.exp(), self.log_d.exp()
+        return 0.5 * lam * ((v - self.b) ** 2).sum(-1) + 0.5 * (d * h * h).sum(-1) - ((v @ self.W) * h).sum(-1) - h @ self.c
+
+    def free_energy(self, v: Tensor) -> Tensor:
+        """F(v) = ½λ‖v − b‖² − ½ aᵀD⁻¹a + ½ Σ log d_j − (m/2) log 2π, a = Wᵀv + c."""
+        lam, d = self.log_lam.exp(), self.log_d.exp()
+        a = v @ self.W + self.c
+        m = self.latent.dim
+        return 0.5 * lam * ((v - self.b) ** 2).sum(-1) - 0.5 * (a * a / d).sum(-1) + 0.5 * self.log_d.sum() - 0.5 * m * math.log(2 * math.pi)
+
+    def posterior_mean(self, v: Tensor) -> Tensor:
+        """E[h | v] = D⁻¹(Wᵀv + c): (B, m)."""
+        return (v @ self.W + self.c) / self.log_d.exp()
+
+    def set_exact(self, posterior: nn.Module) -> None:
+        """Make a linear Gaussian posterior (``gaussian`` with hidden=[]) equal p(h|v)."""
+        m = self.latent.dim
+        d = self.log_d.exp()
+        with torch.no_grad():
+            posterior.head.weight[:m] = (self.W / d).T
+            posterior.head.bias[:m] = self.c / d
+            posterior.head.weight[m:] = 0.0
+            posterior.head.bias[m:] = -0.5 * self.log_d
+
+
+def linear_gaussian_parts(d: int = 3, m: int = 2, seed: int = 0) -> tuple[LinearGaussianEBLVM, Posterior, Parts]:
+    """(model, linear Gaussian posterior set to the exact posterior, parts) in float64; 200 train points."""
+    g = torch.Generator().manual_seed(seed)
+    model = LinearGaussianEBLVM(d, m, g)
+    data = DataSplits(train=torch.randn(200, d, generator=g, dtype=F64), test=torch.randn(10, d, dtype=F64))
+    parts = Parts(dtype=F64, data=data, model=model)
+    posterior = make("posteriors", "gaussian", parts, hidden=[]).double()
+    model.set_exact(posterior)
+    parts.posterior = posterior
+    return model, posterior, parts
+
+
+@attrs.define
+class Exact:
+    """A model with a known posterior p(h|v), a posterior q set exactly to it, the parts and a batch v.
+
+    ``perturb(scale, seed)`` moves every parameter of q by scale·N(0, 1) noise from the exact
+    point; ``reset()`` puts q back at p(h|v).
+    """
+
+    name: str
+    model: EnergyModel
+    posterior: Posterior
+    parts: Parts
+    v: Tensor
+    exact_state: dict[str, Tensor]
+
+    def reset(self) -> None:
+        self.posterior.load_state_dict(self.exact_state)
+
+    def perturb(self, scale: float, seed: int) -> None:
+        self.reset()
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.posterior.parameters():
+                p += scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+
+
+def _exact(name: str, model: EnergyModel, posterior: Posterior, parts: Parts, n: int) -> Exact:
+    state = {k: t.detach().clone() for k, t in posterior.state_dict().items()}
+    return Exact(name, model, posterior, parts, parts.data.train[:n], state)
+
+
+def linear_gaussian_setup(d: int = 3, m: int = 2, n: int = 16, seed: int = 0) -> Exact:
+    """The linear-Gaussian EBLVM with a linear Gaussian q = p(h|v) (continuous latents), float64."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model, posterior, parts = linear_gaussian_parts(d, m, seed)
+    return _exact("linear-gaussian", model, posterior, parts, n)
+
+
+def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1) -> Exact:
+    """A Gaussian RBM (d visible, m Bernoulli hidden units) with q = p(h|v), float64.
+
+    q is the linear ``bernoulli`` posterior with logits set to c + Wᵀv/σ, the exact GRBM
+    posterior. Because E is linear in h, log q(h|v) + E(v, h) = F(v) for every h, also for the
+    relaxed samples of ``rsample``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    data = DataSplits(train=torch.randn(64, d, generator=g, dtype=F64), test=torch.randn(16, d, generator=g, dtype=F64))
+    parts = Parts(dtype=F64, data=data)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = make("models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8).double()
+        with torch.no_grad():
+            model.b.copy_(0.5 * torch.randn(d, generator=g, dtype=F64))
+            model.c.copy_(0.5 * torch.randn(m, generator=g, dtype=F64))
+        parts.model = model
+        posterior = make("posteriors", "bernoulli", parts, hidden=[], temperature=temperature).double()
+    with torch.no_grad():
+        posterior.net[0].weight.copy_((model.W / model.sigma).T)
+        posterior.net[0].bias.copy_(model.c)
+    assert torch.allclose(posterior.logits(data.train), model.hidden_logits(data.train)), "exact GRBM posterior not set"
+    parts.posterior = posterior
+    return _exact("tiny-grbm", model, posterior, parts, n)
+
+
+# ---- contract checks -------------------------------------------------------------------------
+
+
+def _grads(value: Tensor, params: list[Tensor]) -> list[Tensor]:
+    grads = torch.autograd.grad(value, params, allow_unused=True, retain_graph=True)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def _mean_and_se(values: Tensor) -> tuple[float, float]:
+    return float(values.mean()), float(values.std() / math.sqrt(len(values)))
+
+
+def check_divergence(div: Divergence, setup: Exact | None = None, *, scale: float = 0.5, seeds: int = 3,
+                     repeats: int = 256) -> dict[str, list[float]]:
+    """Assert the divergence contract on an exact setup; default: the linear-Gaussian model and,
+    unless ``div.requires_continuous_latent``, the tiny GRBM (Bernoulli latents).
+
+    1. ``div(model, q, v)`` is (B,), floating and finite: one value per data point.
+    2. At a perturbed q its batch mean has finite gradients in φ (q's parameters), not all zero
+       — the lower level is trained on them — and in θ, not all zero: BiSM's hypergradient
+       flows through ∂G/∂φ's dependence on θ.
+    3. Minimal at the exact posterior: for ``seeds`` random perturbations of q (each parameter
+       + scale·N(0, 1)), E[D(q')] − E[D(p(h|v))] > 0 by more than 4 standard errors, the
+       expectation over ``repeats`` evaluations of the batch. D is a divergence up to a constant
+       in φ, so only this paired difference is meaningful.
+
+    Returns the measured gaps per setup.
+    """
+    setups = [setup] if setup is not None else [linear_gaussian_setup()] + (
+        [] if div.requires_continuous_latent else [tiny_grbm_setup()])
+    report: dict[str, list[float]] = {}
+    for s in setups:
+        where = f"{type(div).__name__} on {s.name}"
+        model, q, v = s.model, s.posterior, s.v
+        s.reset()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            values = div(model, q, v)
+            assert isinstance(values, Tensor) and values.shape == (len(v),), \
+                f"{where}: must return one value per data point, shape ({len(v)},), got {getattr(values, 'shape', values)!r}"
+            assert values.dtype.is_floating_point and torch.isfinite(values).all(), f"{where}: values not finite: {values}"
+
+            s.perturb(scale, seed=100)
+            mean = div(model, q, v).mean()
+            phi, theta = [p for p in q.parameters() if p.requires_grad], [p for p in model.parameters() if p.requires_grad]
+            for label, params in (("φ (posterior)", phi), ("θ (model)", theta)):
+                grads = _grads(mean, params)
+                assert all(torch.isfinite(g).all() for g in grads), f"{where}: gradient in {label} is not finite"
+                assert any(g.abs().max() > 0 for g in grads), f"{where}: no gradient in {label} (is the graph cut, e.g. by .detach() or sample()?)"
+
+            v_rep = v.repeat(repeats, 1)
+
+            def expectation() -> Tensor:  # per repeat, the mean over the batch: (repeats,)
+                return div(model, q, v_rep).detach().view(repeats, len(v)).mean(1)  # grad mode on: D may differentiate in h
+
+            s.reset()
+            at_exact = expectation()
+            gaps = []
+            for seed in range(seeds):
+                s.perturb(scale, seed)
+                gap, se = _mean_and_se(expectation() - at_exact)
+                assert gap > 4 * se and gap > 0, (
+                    f"{where}: not minimal at the exact posterior: perturbing q (seed {seed}) changed "
+                    f"E[D] by {gap:.4g} ± {se:.2g}; a lower level whose minimum is elsewhere biases BiSM")
+                gaps.append(gap)
+        s.reset()
+        report[s.name] = gaps
+    return report
+
+
+class GaussianScore(nn.Module):
+    """The score field s(x) = −A(x − μ) of N(μ, A⁻¹), A = precision·(MMᵀ + I); float64, differentiable in x, μ and M."""
+
+    def __init__(self, d: int, seed: int, scale: float = 0.5, precision: float = 1.0):
+        super().__init__()
+        self.precision = precision
+        g = torch.Generator().manual_seed(seed)
+        self.mu = nn.Parameter(torch.randn(d, generator=g, dtype=F64))
+        self.M = nn.Parameter(scale * torch.randn(d, d, generator=g, dtype=F64))
+
+    @property
+    def A(self) -> Tensor:
+        return self.precision * (self.M @ self.M.T + torch.eye(len(self.mu), dtype=F64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return -(x - self.mu) @ self.A
+
+    def sample(self, n: int) -> Tensor:
+        """n draws of N(μ, A⁻¹): μ + L⁻ᵀz with A = LLᵀ."""
+        L = torch.linalg.cholesky(self.A.detach())
+        z = torch.randn(len(self.mu), n, dtype=F64)
+        return self.mu.detach() + torch.linalg.solve_triangular(L.T, z, upper=True).T
+
+    def hyvarinen(self, x: Tensor) -> Tensor:
+        """½‖s(x)‖² + tr ∇s(x) = ½‖s(x)‖² − tr A, per point (B,)."""
+        return 0.5 * (self(x) ** 2).sum(-1) - torch.trace(self.A)
+
+
+def check_objective(objective: ScoreObjective, identity: str = "fisher", *, d: int = 2, batches: int = 20,
+                    batch_size: int | None = None, precision: float = 10.0, seed: int = 0) -> dict[str, float]:
+    """Assert the score-objective contract on Gaussian data v ~ N(μ₀, A₀⁻¹) and Gaussian score
+    fields s(x) = −A(x − μ) (``GaussianScore``).
+
+    Always: ``points(v)`` gives (x (B', d), context); ``loss`` is (B',) or, for pair statistics,
+    one value per pair, floating and finite; its mean has finite, non-zero gradients in the
+    score's parameters; a ``value_only`` objective's ``loss`` equals ``loss_at(x, s(x), context)``.
+
+    ``identity="fisher"`` (SM, SSM, DSM): in expectation the loss is Hyvärinen's form at the
+    objective's own points, E[loss(s)] = E_x[½‖s(x)‖² − tr A] + C with C independent of s
+    (C = 0 for SM/SSM; for DSM, x̃ = v + σε and C = d/(2σ²), since E[sᵀε]/σ = −tr A). Checked
+    on the difference of two score fields, which cancels C, to 5 standard errors over
+    ``batches`` independent batches.
+
+    ``identity="stein"`` (KSD): Stein's identity E_p[u_p(x, x')] = 0 — the batch mean is 0
+    (within 5 standard errors) when s is the score of the data (the points must be the data),
+    and positive beyond 5 standard errors for another score.
+
+    ``batch_size`` defaults to 2000 points for "fisher" (DSM's (s₁ − s₂)ᵀε/σ term is noisy) and
+    200 for "stein" (pair statistics cost O(B²)). ``precision`` scales A: the data's standard
+    deviations are about 1/√precision (≈ 0.3), so that kernels of bandwidth ~0.1 see many pairs.
+    """
+    assert identity in ("fisher", "stein"), f"identity must be 'fisher' or 'stein', got {identity!r}"
+    batch_size = batch_size or (2000 if identity == "fisher" else 200)  # DSM's ε/σ term is noisy; KSD is O(B²)
+    name = type(objective).__name__
+    truth, other = GaussianScore(d, seed, precision=precision), GaussianScore(d, seed + 1, scale=1.0, precision=precision)
+    stats: dict[str, list[float]] = {"diff": [], "closed": [], "true": [], "other": []}
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for b in range(batches):
+            v = truth.sample(batch_size)
+            x, context = objective.points(v)
+            assert isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == d, f"{name}.points must return x (B', {d}), got {getattr(x, 'shape', x)}"
+            loss_true, loss_other = objective.loss(truth, x, context), objective.loss(other, x, context)
+            assert loss_true.dim() == 1 and loss_true.dtype.is_floating_point and torch.isfinite(loss_true).all(), \
+                f"{name}.loss must return finite per-sample losses (B',), got shape {tuple(loss_true.shape)}"
+            if b == 0:
+                grads = _grads(loss_true.mean(), [truth.mu, truth.M])
+                assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads), \
+                    f"{name}: the loss must be differentiable in the score's parameters (finite, non-zero gradient)"
+                if objective.value_only:
+                    state = torch.get_rng_state()
+                    via_loss = objective.loss(truth, x, context)
+                    torch.set_rng_state(state)
+                    torch.testing.assert_close(objective.loss_at(x, truth(x), context), via_loss, msg=f"{name}: loss != loss_at(x, s(x))")
+            if identity == "fisher":
+                assert loss_true.shape == (len(x),), f"{name}: a Fisher-type loss has one value per point, got {tuple(loss_true.shape)}"
+                closed = (truth.hyvarinen(x) - other.hyvarinen(x)).mean().detach()
+                stats["diff"].append(float((loss_true - loss_other).mean().detach() - closed))
+                stats["closed"].append(float(closed))
+            else:
+                assert torch.equal(x, v), f"{name}: Stein's identity is checked at the data; points(v) must return v"
+                stats["true"].append(float(loss_true.mean().detach()))
+                stats["other"].append(float(loss_other.mean().detach()))
+    t = {k: torch.tensor(vals, dtype=F64) for k, vals in stats.items() if vals}
+    if identity == "fisher":
+        err, se = _mean_and_se(t["diff"])
+        signal = float(t["closed"].mean())
+        assert abs(signal) > 10 * se, f"{name}: check too noisy to decide (signal {signal:.3g}, se {se:.3g})"
+        assert abs(err) <= 5 * se + 1e-9 * (1 + abs(signal)), (
+            f"{name}: E[loss(s₁) − loss(s₂)] deviates from the closed form ½E‖s₁‖² − tr A₁ − (½E‖s₂‖² − tr A₂) "
+            f"= {signal:.5g} by {err:.3g} (se {se:.2g})")
+        return {"closed_form_difference": signal, "error": err, "se": se}
+    at_truth, se_truth = _mean_and_se(t["true"])
+    at_other, se_other = _mean_and_se(t["other"])
+    assert abs(at_truth) <= 5 * se_truth + 1e-9, f"{name}: E[loss] at the data's own score is {at_truth:.3g} ± {se_truth:.2g}, not 0"
+    assert at_other > 5 * se_other, f"{name}: E[loss] at a wrong score is {at_other:.3g} ± {se_other:.2g}, not positive"
+    return {"at_truth": at_truth, "at_other": at_other}
+
+
+def check_estimator(name: str, recipe: str | Path | dict, overrides: list[str] = (), seed: int = 0) -> dict[str, float]:
+    """Build the recipe (its [estimator] kind set to ``name`` when absent) and take one step on a
+    training batch; assert it returns finite float metrics including "loss" (the trainer watches
+    it for NaN/Inf), changes the model's parameters, and keeps its optimizers in a dict of torch
+    optimizers (the trainer checkpoints them). Returns the metrics.
+    """
+    from eblvm_core.build import build
+    from eblvm_core.checkpoint import seed_everything
+    from eblvm_core.recipe import apply_override, validate
+
+    raw = _read_recipe(recipe)
+    raw.setdefault("estimator", {"kind": name})
+    assert raw["estimator"].get("kind") == name, f"the recipe's [estimator] kind is {raw['estimator'].get('kind')!r}, not {name!r}"
+    for override in overrides:
+        apply_override(raw, override)
+    parsed = validate(raw, f"<check_estimator {name}>")
+    seed_everything(seed)
+    parts = build(parsed, torch.device("cpu")).parts
+    estimator = parts.estimator
+    assert isinstance(estimator.optimizers, dict) and all(isinstance(o, torch.optim.Optimizer) for o in estimator.optimizers.values()), \
+        f"{name}: optimizers must be a dict name -> torch optimizer (made with parts.make_optimizer)"
+    before = [p.detach().clone() for p in parts.model.parameters()]
+    metrics = estimator.step(parts.data.train[: parsed.run.batch_size])
+    assert isinstance(metrics, dict) and "loss" in metrics, f"{name}: step must return a dict of metrics with 'loss', got {metrics!r}"
+    bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+    assert not bad, f"{name}: metrics must be finite floats, got {bad}"
+    assert any(not torch.equal(b, p) for b, p in zip(before, parts.model.parameters())), f"{name}: one step left the model's parameters unchanged"
+    state = estimator.state_dict()
+    assert isinstance(state, dict), f"{name}: state_dict must return a dict"
+    estimator.load_state_dict(state)
+    return metrics
+
+
+def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enumerated: int = 12) -> dict[str, float]:
+    """Assert the model contract on a batch v (B, d).
+
+    1. ``latent`` is a LatentSpec or None; ``energy(v, h)`` for h of that kind and dimension
+       (Bernoulli {0,1}, Gaussian N(0, I), none: (B, 0)) is (B,) and finite, and per sample
+       (E of the first row alone equals the first entry: estimators stack k samples into the
+       batch); it has finite gradients in v and a non-zero gradient in θ.
+    2. If ``free_energy`` is defined: it is (B,), and equals −log ∫ exp(−E(v, h)) dh — by
+       enumerating h for m ≤ ``max_enumerated`` Bernoulli units, or by importance sampling
+       from a Laplace approximation (inflated 1.5×) for Gaussian h, within 5 standard errors.
+    """
+    name = type(model).__name__
+    latent = model.latent
+    assert latent is None or isinstance(latent, LatentSpec), f"{name}.latent must be a LatentSpec or None"
+    b = len(v)
+    v = v.detach().clone().requires_grad_(True)
+    if latent is None:
+        h = v.new_zeros(b, 0)
+    elif latent.kind == "bernoulli":
+        h = torch.bernoulli(torch.full((b, latent.dim), 0.5, dtype=v.dtype))
+    else:
+        h = torch.randn(b, latent.dim, dtype=v.dtype)
+    energy = model.energy(v, h)
+    assert energy.shape == (b,) and torch.isfinite(energy).all(), f"{name}.energy must return finite (B,) = ({b},), got {tuple(energy.shape)}"
+    torch.testing.assert_close(model.energy(v[:1], h[:1]), energy[:1], msg=f"{name}.energy mixes samples of the batch")
+    (grad_v,) = torch.autograd.grad(energy.sum(), v, retain_graph=True)
+    assert torch.isfinite(grad_v).all(), f"{name}.energy: gradient in v not finite"
+    theta = [p for p in model.parameters() if p.requires_grad]
+    assert theta and any(g.abs().max() > 0 for g in _grads(energy.sum(), theta)), f"{name}.energy: no gradient in θ"
+    report: dict[str, float] = {}
+    if not model.has_free_energy:
+        return report
+    free = model.free_energy(v)
+    assert free.shape == (b,) and torch.isfinite(free).all(), f"{name}.free_energy must return finite (B,), got {tuple(free.shape)}"
+    v = v.detach()
+    with torch.no_grad():
+        free = model.free_energy(v)
+    if latent is None:
+        torch.testing.assert_close(free, model.energy(v, h), msg=f"{name}: with no latent, F(v) must equal E(v)")
+    elif latent.kind == "bernoulli" and latent.dim <= max_enumerated:
+        import itertools
+
+        hs = torch.tensor(list(itertools.product([0.0, 1.0], repeat=latent.dim)), dtype=v.dtype)  # (2^m, m)
+        with torch.no_grad():
+            e = model.energy(v.repeat_interleave(len(hs), 0), hs.repeat(b, 1)).view(b, len(hs))
+        torch.testing.assert_close(free, -torch.logsumexp(-e, 1), msg=f"{name}.free_energy != −log Σ_h exp(−E(v, h))")
+        report["max_error"] = float((free + torch.logsumexp(-e, 1)).abs().max())
+    elif latent.kind == "gaussian":
+        estimate, se = _laplace_free_energy(model, v, n_samples)
+        err = (estimate - free).abs()
+        assert (err <= 5 * se + 1e-6 * (1 + free.abs())).all(), f"{name}.free_energy != −log ∫ exp(−E) dh: error {err.max():.3g}, se {se.max():.2g}"
+        report["max_error"] = float(err.max())
+    return report
+
+
+
+def check_posterior(posterior: Posterior, v: Tensor, latent: LatentSpec, *, n: int = 2000) -> None:
+    """Assert the posterior contract on a batch v (B, d) for a latent of ``latent`` kind and size m.
+
+    ``rsample(v, k)`` is (k, B, m), finite and differentiable in φ (the lower level trains
+    through it); ``sample`` is (k, B, m) without a graph, binary for Bernoulli h; ``log_prob``
+    maps h (k, B, m) to (k, B) and h (B, m) to (B,); ``mean(v)`` is (B, m) and matches the
+    average of ``n`` exact samples within 5 standard errors; for m ≤ 12 Bernoulli units
+    Σ_h q(h|v) = 1 by enumeration.
+    """
+    name, b, m = type(posterior).__name__, len(v), latent.dim
+    h = posterior.rsample(v, 3)
+    assert h.shape == (3, b, m) and torch.isfinite(h).all(), f"{name}.rsample must return finite (n, B, m) = (3, {b}, {m}), got {tuple(h.shape)}"
+    phi = [p for p in posterior.parameters() if p.requires_grad]
+    assert any(g.abs().max() > 0 for g in _grads(h.sum(), phi)), f"{name}.rsample is not differentiable in φ"
+    draws = posterior.sample(v, n)
+    assert draws.shape == (n, b, m) and not draws.requires_grad, f"{name}.sample must return (n, B, m) without a graph"
+    if latent.kind == "bernoulli":
+        assert ((draws == 0) | (draws == 1)).all(), f"{name}.sample must return exact binary draws"
+    lp = posterior.log_prob(draws[:2], v)
+    assert lp.shape == (2, b) and torch.isfinite(lp).all(), f"{name}.log_prob of (n, B, m) must be finite (n, B), got {tuple(lp.shape)}"
+    torch.testing.assert_close(posterior.log_prob(draws[0], v), lp[0], msg=f"{name}.log_prob of h (B, m) must be (B,)")
+    mean = posterior.mean(v).detach()
+    se = draws.std(0) / math.sqrt(n)
+    assert mean.shape == (b, m) and ((draws.mean(0) - mean).abs() <= 5 * se + 1e-6).all(), f"{name}.mean disagrees with the mean of its samples"
+    if latent.kind == "bernoulli" and m <= 12:
+        import itertools
+
+        hs = torch.tensor(list(itertools.product([0.0, 1.0], repeat=m)), dtype=v.dtype)[:, None].expand(-1, b, m)
+        total = torch.logsumexp(posterior.log_prob(hs, v).detach(), 0)
+        torch.testing.assert_close(total, torch.zeros_like(total), msg=f"{name}: q(h|v) does not sum to 1 over h")
+
+
+def check_dataset(data: DataSplits) -> None:
+    """Assert a dataset factory's result: DataSplits whose train/test (and val) are finite float
+    tensors (N, *shape) of one shape, inside ``bounds`` when given (per dimension), with
+    ``image_shape`` (if given) holding dim numbers."""
+    assert isinstance(data, DataSplits), f"a dataset factory must return DataSplits, got {type(data).__name__}"
+    for split in ("train", "test", "val"):
+        x = getattr(data, split)
+        if x is None and split == "val":
+            continue
+        assert isinstance(x, Tensor) and x.dtype.is_floating_point and len(x) > 0 and torch.isfinite(x).all(), f"{split} must be a non-empty finite float tensor"
+        assert tuple(x.shape[1:]) == data.shape, f"{split} has shape {tuple(x.shape[1:])}, train has {data.shape}"
+        if data.bounds is not None:
+            assert len(data.bounds) == data.dim, "bounds needs one (low, high) per dimension"
+            flat = x.flatten(1)
+            for j, (lo, hi) in enumerate(data.bounds):
+                assert lo <= flat[:, j].min() and flat[:, j].max() <= hi, f"{split}[:, {j}] leaves its bounds ({lo}, {hi})"
+    if data.image_shape is not None:
+        assert math.prod(data.image_shape) == data.dim, f"image_shape {data.image_shape} does not hold {data.dim} numbers"
+
+
+def check_sampler(sampler: Any, model: EnergyModel, d: int, n: int = 8) -> None:
+    """Assert ``sampler.sample(model, n, generator)`` is finite (n, d) and reproducible given the generator's seed."""
+    first = sampler.sample(model, n, torch.Generator().manual_seed(0))
+    assert first.shape == (n, d) and torch.isfinite(first).all(), f"samples must be finite (n, d) = ({n}, {d}), got {tuple(first.shape)}"
+    torch.testing.assert_close(sampler.sample(model, n, torch.Generator().manual_seed(0)), first, msg="the same seed must give the same samples")
+
+
+def check_evaluator(evaluator: Any, parts: Parts) -> Any:
+    """Assert ``evaluator(parts)`` returns an EvalResult of finite float scalars and (C, H, W) images in [0, 1]."""
+    from eblvm_core.contracts import EvalResult
+
+    result = evaluator(parts)
+    assert isinstance(result, EvalResult), f"an evaluator must return EvalResult, got {type(result).__name__}"
+    assert result.scalars or result.images, "an evaluator must report something"
+    for key, value in result.scalars.items():
+        assert isinstance(value, (int, float)) and math.isfinite(value), f"scalar {key} = {value!r} is not a finite float"
+    for key, image in result.images.items():
+        assert image.dim() == 3 and image.min() >= 0 and image.max() <= 1, f"image {key} must be (C, H, W) in [0, 1]"
+    return result
+
+
+def check_logger(logger: Any, run_dir: Path) -> None:
+    """Assert a logger accepts scalars and images and closes, writing only inside ``run_dir``."""
+    before = set(Path(run_dir).parent.iterdir())
+    logger.log_scalars(1, {"train/loss": 0.5})
+    logger.log_images(1, {"eval/x/image": torch.rand(3, 4, 4)})
+    logger.close()
+    assert set(Path(run_dir).parent.iterdir()) <= before | {Path(run_dir)}, "a logger must write inside its run directory"
+
+
+def check_optimizer(optimizer: Any, param: Tensor) -> None:
+    """Assert an optimizer factory's result is a torch optimizer over ``param`` that a step through ``apply_update`` moves."""
+    from eblvm_core.optim import apply_update
+
+    assert isinstance(optimizer, torch.optim.Optimizer), f"an optimizer factory must return a torch optimizer, got {type(optimizer).__name__}"
+    before = param.detach().clone()
+    norm = apply_update(optimizer, (param**2).sum())
+    assert math.isfinite(norm) and not torch.equal(before, param.detach()), "one step did not move the parameter"
+
+
+def _laplace_free_energy(model: EnergyModel, v: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """−log ∫ exp(−E(v, h)) dh by importance sampling from N(mode, 1.5² H⁻¹) per point, and its standard error."""
+    b, m = len(v), model.latent.dim
+    h = torch.zeros(b, m, dtype=v.dtype, requires_grad=True)
+    opt = torch.optim.LBFGS([h], max_iter=200, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        e = model.energy(v, h).sum()
+        (h.grad,) = torch.autograd.grad(e, h)
+        return e.detach()
+
+    opt.step(closure)
+    (g,) = torch.autograd.grad(model.energy(v, h).sum(), h, create_graph=True)
+    hess = torch.stack([torch.autograd.grad(g[:, i].sum(), h, retain_graph=True)[0] for i in range(m)], 1)  # (B, m, m)
+    cov = 1.5**2 * torch.linalg.inv(hess.detach())
+    proposal = torch.distributions.MultivariateNormal(h.detach(), covariance_matrix=0.5 * (cov + cov.transpose(1, 2)))
+    with torch.no_grad():
+        hs = proposal.sample((n,))  # (n, B, m)
+        e = model.energy(v.repeat(n, 1), hs.reshape(n * b, m)).view(n, b)
+        log_w = -e - proposal.log_prob(hs)
+        w = torch.exp(log_w - log_w.max(0).values)
+        se = w.std(0) / (w.mean(0) * math.sqrt(n))
+    return -(torch.logsumexp(log_w, 0) - math.log(n)), se
+
+
+# ---- short runs --------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunResult:
+    """What a short run left: its directory, final evaluation, metrics.jsonl rows and resolved recipe."""
+
+    run_dir: Path
+    results: dict[str, float]
+    metrics: list[dict[str, Any]]
+    recipe: dict[str, Any]
+
+    def series(self, key: str) -> list[float]:
+        """Values of ``key`` (e.g. "train/loss") over the logged rows that have it."""
+        return [row[key] for row in self.metrics if key in row]
+
+
+def _read_recipe(recipe: str | Path | dict) -> dict[str, Any]:
+    if isinstance(recipe, dict):
+        return json.loads(json.dumps(recipe))  # a deep copy
+    if isinstance(recipe, str) and ("\n" in recipe or "[" in recipe):
+        return tomllib.loads(recipe)
+    with open(recipe, "rb") as fh:
+        return tomllib.load(fh)
+
+
+def run_short(recipe: str | Path | dict, out: str | Path, steps: int = 5, loggers: bool = False, **overrides: Any) -> RunResult:
+    """Train ``steps`` steps of a recipe (TOML text, a path or a dict) with the real trainer in ``out``.
+
+    ``overrides`` set recipe values: ``estimator__inner_steps=1`` or ``**{"optim.model.lr": 1e-2}``.
+    The seed defaults to 0; loggers ([[log]], TensorBoard by default) are dropped unless
+    ``loggers``. Raises what the trainer raises (ConfigError, TrainingDiverged).
+    """
+    import tomli_w
+
+    from eblvm_core.recipe import apply_override
+    from eblvm_core.trainer import run
+
+    raw = _read_recipe(recipe)
+    raw.setdefault("run", {}).setdefault("seed", 0)
+    raw["run"]["steps"] = steps
+    for key, value in overrides.items():
+        apply_override(raw, f"{key.replace('__', '.')}={tomli_w.dumps({'v': value})[4:].strip()}")
+    if not loggers:
+        raw["log"] = []
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "short_run.toml"
+    path.write_text(tomli_w.dumps(raw))
+    run_dir, results = run(path, out=out / "runs", echo=lambda _line: None)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return RunResult(run_dir, results, rows, tomllib.loads((run_dir / "recipe.toml").read_text()))
+
+
+# ---- pytest fixtures (this module is the `eblvm` pytest11 plugin) --------------------------------
+
+
+@pytest.fixture
+def tiny_grbm() -> Exact:
+    """A GRBM (d=2, m=3) with its exact posterior: a linear Bernoulli q, logits c + Wᵀv/σ."""
+    return tiny_grbm_setup()
+
+
+@pytest.fixture
+def linear_gaussian() -> Exact:
+    """The linear-Gaussian EBLVM (d=3, m=2) with a linear Gaussian q set to p(h|v)."""
+    return linear_gaussian_setup()
+
+
+@pytest.fixture
+def short_run(tmp_path: Path) -> Callable[..., RunResult]:
+    """``short_run(recipe_text_or_path, steps=5, **overrides) -> RunResult`` in a temporary folder."""
+
+    def go(recipe: str | Path | dict, steps: int = 5, loggers: bool = False, **overrides: Any) -> RunResult:
+        return run_short(recipe, tmp_path / "short_run", steps, loggers, **overrides)
+
+    return go

@@ -1,0 +1,356 @@
+"""Every registered component passes its kind's contract (the checks of ``eblvm_core.testing``,
+the same a third-party plugin runs), and the plugin system's meta-properties: every hookspec
+is exercised and documented, every component documented."""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+import types
+from importlib.metadata import EntryPoint
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+from eblvm_core import hookspecs, plugins, testing
+from eblvm_core.build import build
+from eblvm_core.config import describe, option
+from eblvm_core.contracts import DataSplits, Parts
+from eblvm_core.errors import ConfigError
+from eblvm_core.recipe import validate
+from eblvm_core.registry import KINDS
+
+LOADED = plugins.load()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def names(kind: str) -> list[str]:
+    return LOADED[kind].names()
+
+
+# A small recipe every bundled estimator and evaluator can be built from: all parts present.
+BASE = """
+[run]
+seed = 0
+batch_size = 32
+
+[data]
+kind = "checkerboard"
+n_train = 256
+n_test = 64
+
+[model]
+kind = "grbm"
+n_hidden = 3
+
+[posterior]
+kind = "bernoulli"
+
+[objective]
+kind = "dsm"
+
+[divergence]
+kind = "kl"
+"""
+
+# Options that keep a component's check fast; the defaults are sized for real runs.
+SMALL: dict[str, dict[str, dict]] = {
+    "estimators": {
+        "bism-unrolled": {"inner_steps": 1, "unroll_steps": 1},
+        "bism-implicit": {"inner_steps": 1, "solver_steps": 2},
+        "pcd": {"n_chains": 32},
+        "nce": {"init_samples": 500},
+        "vnce": {"init_samples": 500, "inner_steps": 1, "n_importance": 4},
+        "vaes": {"inner_steps": 1},
+        "vages": {"inner_steps": 1},
+    },
+    "evaluators": {
+        "ais-loglik": {"n_chains": 20, "n_temps": 20},
+        "fisher-critic": {"steps": 5, "width": 16},
+        "density-plot": {"grid": 20, "bins": 10},
+        "sample-grid": {"n": 4, "nrow": 2, "sampler_options": {"burn_in": 2}},
+    },
+    "samplers": {"gibbs": {"burn_in": 2}},
+    "datasets": {"checkerboard": {"n_train": 100, "n_test": 20}},
+    "posteriors": {"gaussian-conv": {"image_shape": [1, 8, 8]}},  # it does not read DataSplits.image_shape
+}
+# Objectives that are not Fisher-divergence functionals, and the identity they satisfy instead.
+STEIN = {"ksd": "a Stein discrepancy: E[u_p(x, x')] = 0 at the data's score, not ½E‖s‖² + tr ∇s"}
+
+
+def small(kind: str, name: str) -> dict:
+    return SMALL.get(kind, {}).get(name, {})
+
+
+def base_parts() -> Parts:
+    """The built parts of BASE (GRBM, Bernoulli q, small checkerboard), CPU."""
+    recipe = validate(tomllib.loads(BASE) | {"estimator": {"kind": "cd"}}, "<BASE>")
+    return build(recipe, torch.device("cpu")).parts
+
+
+def image_gaussian_parts() -> Parts:
+    """A linear-Gaussian model on 1×8×8 'images' (for conv posteriors)."""
+    model = testing.LinearGaussianEBLVM(64, 2, torch.Generator().manual_seed(0))
+    x = torch.randn(20, 64, dtype=torch.float64)
+    return Parts(dtype=torch.float64, data=DataSplits(train=x, test=x, image_shape=(1, 8, 8)), model=model)
+
+
+def image_grbm_parts() -> Parts:
+    """A GRBM on 1×2×2 'images' (for evaluators that draw image grids)."""
+    x = torch.rand(64, 4, generator=torch.Generator().manual_seed(0))
+    parts = Parts(data=DataSplits(train=x, test=x, image_shape=(1, 2, 2)))
+    parts.model = testing.make("models", "grbm", parts, n_hidden=2)
+    return parts
+
+
+def on_first_accepted(kind: str, name: str, candidates: dict, check) -> str:
+    """Build ``name`` on each candidate's parts in turn and run ``check(component, parts)`` on the
+    first one that neither the factory nor the check refuses with a ConfigError; fail listing
+    every refusal. Returns the accepted candidate's label."""
+    refusals = []
+    for label, make_parts in candidates.items():
+        parts = make_parts()
+        try:
+            check(testing.make(kind, name, parts, **small(kind, name)), parts)
+            return label
+        except ConfigError as exc:
+            refusals.append(f"{label}: {exc}")
+    pytest.fail(f"{kind[:-1]} '{name}' refuses every setup: " + "; ".join(refusals))
+
+
+# ---- contracts, parametrised over the registry ---------------------------------------------------
+
+
+SETUPS = {"tiny-grbm": testing.tiny_grbm_setup, "linear-gaussian": testing.linear_gaussian_setup}
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("name", names("divergences"))
+def test_divergence_contract(name, setup):
+    exact = SETUPS[setup]()
+    try:
+        div = testing.make("divergences", name, exact.parts)
+    except ConfigError as exc:  # refusing a latent kind at build time is part of the contract
+        pytest.skip(f"'{name}' refuses the {setup} model ({exact.model.latent.kind} latents): {exc.message}")
+    testing.check_divergence(div, exact)
+
+
+@pytest.mark.parametrize("name", names("divergences"))
+def test_every_divergence_accepts_some_latent_kind(name):
+    accepted = []
+    for label, setup in SETUPS.items():
+        try:
+            testing.make("divergences", name, setup().parts)
+            accepted.append(label)
+        except ConfigError:
+            pass
+    assert accepted, f"divergence '{name}' refuses both Bernoulli and Gaussian latents"
+
+
+@pytest.mark.parametrize("name", names("objectives"))
+def test_objective_contract(name):
+    testing.check_objective(testing.make("objectives", name, Parts()), "stein" if name in STEIN else "fisher")
+
+
+@pytest.mark.parametrize("name", names("models"))
+def test_model_contract(name):
+    x = torch.rand(64, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    parts = Parts(dtype=torch.float64, data=DataSplits(train=x, test=x))
+    torch.manual_seed(0)
+    model = testing.make("models", name, parts).double()
+    testing.check_model(model, x[:8])
+
+
+@pytest.mark.parametrize("name", names("posteriors"))
+def test_posterior_contract(name):
+    candidates = {"grbm": base_parts, "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
+                  "linear-gaussian 1×8×8": image_gaussian_parts}
+    torch.manual_seed(0)
+    on_first_accepted("posteriors", name, candidates, lambda q, parts: testing.check_posterior(
+        q.to(parts.dtype), parts.data.train[:6].to(parts.dtype), parts.model.latent))
+
+
+@pytest.mark.parametrize("name", names("datasets"))
+def test_dataset_contract(name):
+    entry = LOADED["datasets"].get(name)
+    required = [f for f, _t, default, _h in describe(entry.config) if default == "(required)"]
+    if required:
+        pytest.skip(f"dataset '{name}' reads files (required option {required[0]!r}); its own tests cover it")
+    testing.check_dataset(testing.make("datasets", name, Parts(), **small("datasets", name)))
+
+
+@pytest.mark.parametrize("name", names("estimators"))
+def test_estimator_contract(name):
+    overrides = [f"estimator.{k}={v}" for k, v in small("estimators", name).items()]
+    metrics = testing.check_estimator(name, BASE, overrides)
+    assert "loss" in metrics
+
+
+@pytest.mark.parametrize("name", names("evaluators"))
+def test_evaluator_contract(name):
+    candidates = {"grbm": base_parts, "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
+                  "grbm 1×2×2 images": image_grbm_parts}
+    on_first_accepted("evaluators", name, candidates, testing.check_evaluator)
+
+
+@pytest.mark.parametrize("name", names("samplers"))
+def test_sampler_contract(name):
+    exact = testing.tiny_grbm_setup()
+    sampler = testing.make("samplers", name, exact.parts, **small("samplers", name))
+    testing.check_sampler(sampler, exact.model, exact.v.shape[1])
+
+
+@pytest.mark.parametrize("name", names("loggers"))
+def test_logger_contract(name, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    testing.check_logger(testing.make("loggers", name, run_dir), run_dir)
+
+
+@pytest.mark.parametrize("name", names("optimizers"))
+def test_optimizer_contract(name):
+    param = torch.nn.Parameter(torch.ones(3))
+    testing.check_optimizer(testing.make("optimizers", name, [param]), param)
+
+
+# ---- meta-tests --------------------------------------------------------------------------------
+
+
+ENTRIES = [(kind, name) for kind in KINDS for name in names(kind)]
+
+
+@pytest.mark.parametrize("kind, name", ENTRIES, ids=[f"{k}-{n}" for k, n in ENTRIES])
+def test_every_component_has_a_docstring_and_documented_options(kind, name):
+    """`eblvm plugins` shows the factory's docstring line and each option's help text."""
+    entry = LOADED[kind].get(name)
+    assert entry.doc.strip(), f"{kind[:-1]} '{name}' ({entry.plugin}): its factory has no docstring"
+    undocumented = [field for field, _t, _d, help_ in describe(entry.config) if not help_.strip()]
+    assert not undocumented, f"{kind[:-1]} '{name}': options without help text: {undocumented}"
+
+
+HOOKS = sorted(name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), "eblvm_spec"))
+
+
+def test_hookspecs_match_the_registry_kinds():
+    assert HOOKS == sorted([f"register_{k}" for k in KINDS] + ["register_commands"])
+
+
+@attrs.frozen
+class MetaConfig:
+    level: int = option(3, "an option shown by `eblvm plugins`")
+
+
+def meta_component(config, parts):
+    """A component registered by the meta-test plugin."""
+    return ("built", config.level, parts)
+
+
+def hello():
+    """Say hello (a command added by a plugin)."""
+    print("hello from a plugin command")
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_every_hookspec_is_called_for_an_entry_point_plugin(hook, monkeypatch):
+    """A plugin implementing only ``hook`` and listed in the `eblvm` entry-point group gets it
+    called by the loader; its component is registered under its plugin name, built by
+    ``factory(config, parts)``, and listed with its option by `eblvm plugins`."""
+    from typer.testing import CliRunner
+
+    from eblvm_core.cli import app
+
+    module = types.ModuleType("eblvm_meta_plugin")
+    kind = hook.removeprefix("register_")
+    if kind == "commands":
+        impl = lambda register: register(hello, "meta-hello")  # noqa: E731
+    else:
+        impl = lambda register: register(f"meta-{kind}", meta_component, MetaConfig)  # noqa: E731
+    setattr(module, hook, hookspecs.hookimpl(impl))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [EntryPoint("meta", module.__name__, group)])
+    monkeypatch.setattr(plugins, "_loaded", None)  # restored (the real registry) after the test
+    monkeypatch.delenv("EBLVM_LOAD_PLUGINS", raising=False)
+    loaded = plugins.load(force=True, warn=False)
+    assert not loaded.failed
+    listing = CliRunner().invoke(app, ["plugins"]).output
+    assert "meta  (eblvm_meta_plugin)" in listing
+    if kind == "commands":
+        assert [(n, p) for n, _fn, p in loaded.commands] == [("meta-hello", "meta")]
+        app.command("meta-hello")(hello)
+        try:
+            assert "hello from a plugin command" in CliRunner().invoke(app, ["meta-hello"]).output
+        finally:
+            app.registered_commands.pop()
+        assert "command meta-hello" in listing
+    else:
+        entry = loaded[kind].get(f"meta-{kind}")
+        assert entry.plugin == "meta" and entry.doc == "A component registered by the meta-test plugin."
+        assert entry.factory(MetaConfig(), "parts") == ("built", 3, "parts")
+        assert f"{kind[:-1]} meta-{kind}: A component registered" in listing
+        assert "level: int = 3  an option shown by `eblvm plugins`" in listing
+
+
+def plugin_guide_sections() -> dict[str, str]:
+    """docs/plugins.md's `### \\`register_x\\`` sections: hook name -> body text."""
+    text = (ROOT / "docs" / "plugins.md").read_text()
+    parts = re.split(r"^### `(register_\w+)`.*$", text, flags=re.M)
+    return {parts[i]: parts[i + 1].split("\n## ")[0] for i in range(1, len(parts), 2)}
+
+
+def test_every_hookspec_has_a_documentation_entry():
+    sections = plugin_guide_sections()
+    assert sorted(sections) == HOOKS, "docs/plugins.md needs one `### `register_<kind>`` section per hookspec, and no others"
+    for hook, body in sections.items():
+        assert "receives" in body and "returns" in body and len(body) > 150, f"the section of {hook} must say what the factory receives and returns"
+
+
+# ---- the checks are not vacuous: broken components fail them ---------------------------------------
+
+
+class NegatedKL:
+    """Maximal, not minimal, at the exact posterior."""
+
+    requires_continuous_latent = False
+
+    def __call__(self, model, posterior, v):
+        h = posterior.rsample(v, 1)[0]
+        return -(posterior.log_prob(h, v) + model.energy(v, h))
+
+
+class DetachedKL(NegatedKL):
+    """No gradient in φ: exact samples and a detached log q."""
+
+    def __call__(self, model, posterior, v):
+        h = posterior.sample(v, 1)[0]
+        return posterior.log_prob(h, v).detach() + model.energy(v, h)
+
+
+class DoubledSM:
+    """‖s‖² + tr ∇s: not the Fisher divergence up to a constant."""
+
+    value_only = False
+
+    def points(self, v):
+        return v, None
+
+    def loss(self, score, x, context):
+        return testing.make("objectives", "sm").loss(score, x, context) + 0.5 * (score(x) ** 2).sum(-1)
+
+
+class ShiftedFreeEnergy(testing.LinearGaussianEBLVM):
+    def free_energy(self, v):
+        return super().free_energy(v) + 0.1 * v[:, 0]
+
+
+@pytest.mark.parametrize("broken, check, match", [
+    (NegatedKL(), lambda c: testing.check_divergence(c, testing.tiny_grbm_setup()), "not minimal"),
+    (DetachedKL(), lambda c: testing.check_divergence(c, testing.linear_gaussian_setup()), "no gradient in φ"),
+    (DoubledSM(), testing.check_objective, "closed form"),
+    (ShiftedFreeEnergy(3, 2), lambda m: testing.check_model(m, torch.randn(4, 3, dtype=torch.float64)), "free_energy"),
+], ids=["divergence-maximal-at-p", "divergence-detached", "objective-wrong-scale", "model-inconsistent-free-energy"])
+def test_checks_reject_broken_components(broken, check, match):
+    with pytest.raises(AssertionError, match=match):
+        check(broken)
