@@ -41,6 +41,8 @@ def in_range(low: float, high: float):
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
