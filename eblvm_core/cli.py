@@ -96,6 +96,87 @@ def plugins() -> None:
         typer.echo(f"{name}  FAILED: {why}")
 
 
+def _check_device(device: Optional[str]) -> None:
+    if device not in (None, "cpu", "cuda", "auto"):
+        fail(f"--device must be cpu, cuda or auto, got '{device}'")
+
+
+@app.command("eval")
+def eval_run(
+    run_dir: Path = typer.Argument(..., help="a run directory (holds recipe.toml and checkpoints/)"),
+    checkpoint: str = typer.Option("last", help="last, best (needs [run] select_metric) or a checkpoint path"),
+    evaluator: list[str] = typer.Option([], "--evaluator", "-e", help="evaluator name, run with its default config; repeatable (default: the recipe's [[eval]])"),
+    override: list[str] = typer.Option([], "-o", "--override", help="section.key=value applied to the recipe; repeatable"),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: the recipe's)"),
+    seed: int = typer.Option(0, help="seed of every RNG before evaluating"),
+) -> None:
+    """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl."""
+    _check_device(device)
+
+    def go() -> None:
+        from eblvm_core.evaluate import default_sections, load_run, record, run_evaluators
+
+        run = load_run(run_dir, checkpoint, device, override, seed)
+        result = run_evaluators(run, default_sections(evaluator))
+        for key, value in result.scalars.items():
+            typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
+        for path in record(run, result):
+            typer.echo(f"image: {path}")
+        typer.echo(f"step {run.step} ({checkpoint}); appended to {run.run_dir / 'metrics.jsonl'}")
+
+    guarded(go)
+
+
+@app.command()
+def sample(
+    run_dir: Path = typer.Argument(..., help="a run directory"),
+    n: int = typer.Option(64, "-n", min=1, help="number of samples"),
+    out: Optional[Path] = typer.Option(None, help="image file (default RUN_DIR/samples.png)"),
+    checkpoint: str = typer.Option("last", help="last, best or a checkpoint path"),
+    sampler: Optional[str] = typer.Option(None, help="sampler name (default: the recipe's [sampler], else the model's default)"),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: the recipe's)"),
+    seed: int = typer.Option(0, help="seed of the sampler"),
+) -> None:
+    """Draw samples from a trained model and save them as an image (a scatter for 2-D data)."""
+    _check_device(device)
+
+    def go() -> None:
+        from torchvision.utils import save_image
+
+        from eblvm_core.evaluate import load_run, sample_run
+
+        run = load_run(run_dir, checkpoint, device, seed=seed)
+        _samples, image = sample_run(run, n, sampler)
+        path = out or run.run_dir / "samples.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_image(image, path)
+        typer.echo(f"{n} samples (step {run.step}) -> {path}")
+
+    guarded(go)
+
+
+@app.command()
+def compare(
+    spec: Path = typer.Argument(..., help="comparison spec (TOML with [compare] and [[method]] sections)"),
+    seeds: Optional[int] = typer.Option(None, min=1, help="seeds per method (default: the spec's)"),
+    jobs: int = typer.Option(1, min=1, help="runs in parallel processes"),
+    steps: Optional[int] = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
+    out: Optional[Path] = typer.Option(None, help="results folder (default results/<name>)"),
+    override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: each recipe's)"),
+) -> None:
+    """Run a set of recipes over seeds; write a Markdown table, a figure and results.json."""
+    _check_device(device)
+
+    def go() -> None:
+        from eblvm_core.compare import compare as run_compare
+
+        folder = run_compare(spec, seeds, jobs, steps, out, device, override, echo=typer.echo)
+        typer.echo(f"done: {folder}")
+
+    guarded(go)
+
+
 def main() -> None:
     from eblvm_core.plugins import load
 

@@ -25,9 +25,12 @@ class RunConfig:
     batch_size: int = option(100, "mini-batch size", positive)
     device: Literal["auto", "cpu", "cuda"] = option("auto", "auto picks cuda when available")
     dtype: Literal["float32", "float64"] = option("float32", "floating-point precision")
+    threads: int = option(0, "CPU threads for torch; 0 keeps torch's default (1 is fastest for small models)", non_negative)
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
     checkpoint_every: int = option(1000, "steps between checkpoints (one is also written at the end)", positive)
+    select_metric: str | None = option(None, "eval scalar (e.g. 'eval/exact-loglik/val_loglik') whose best value saves checkpoints/best.pt")
+    select_mode: Literal["max", "min"] = option("max", "whether a higher or a lower select_metric is better")
 
 
 # section -> registry kind; sections holding several components are handled apart

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import Built
-from eblvm_core.errors import TrainingDiverged
+from eblvm_core.errors import ConfigError, TrainingDiverged
 from eblvm_core.recipe import Recipe
 
 
@@ -44,6 +44,11 @@ class BatchStream:
         self.order, self.pos = state["order"], state["pos"]
 
 
+def best_checkpoint(run_dir: str | Path) -> Path:
+    """Where the checkpoint with the best [run] select_metric is kept."""
+    return Path(run_dir) / "checkpoints" / "best.pt"
+
+
 class Trainer:
     def __init__(self, recipe: Recipe, built: Built, run_dir: Path, echo: Callable[[str], None] = print):
         self.recipe, self.built, self.run_dir, self.echo = recipe, built, Path(run_dir), echo
@@ -52,6 +57,7 @@ class Trainer:
         self.stream = BatchStream(built.parts.data.train, recipe.run.batch_size, recipe.run.seed + 1)
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
+        self.best: float | None = None  # best select_metric value so far
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
@@ -64,6 +70,7 @@ class Trainer:
             "estimator": self.estimator.state_dict(),
             "data": self.stream.state_dict(),
             "rng": ckpt.rng_state(),
+            "best": self.best,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -77,6 +84,7 @@ class Trainer:
         self.stream.load_state_dict(state["data"])
         ckpt.set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.best = state.get("best")
 
     def save(self) -> None:
         path = ckpt.last_checkpoint(self.run_dir)
@@ -104,7 +112,23 @@ class Trainer:
             images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
         if scalars or images:
             self.record(scalars, images)
+        self.select(scalars)
         return scalars
+
+    def select(self, scalars: dict[str, float]) -> None:
+        """Model selection: save best.pt (atomically) when [run] select_metric improves."""
+        run = self.recipe.run
+        if run.select_metric is None:
+            return
+        if run.select_metric not in scalars:
+            reported = ", ".join(sorted(scalars)) or "nothing"
+            raise ConfigError("run", "select_metric", f"no evaluator reports '{run.select_metric}'; reported: {reported}",
+                              file=self.recipe.path)
+        value = scalars[run.select_metric]
+        improved = self.best is None or (value > self.best if run.select_mode == "max" else value < self.best)
+        if math.isfinite(value) and improved:
+            self.best = value
+            ckpt.save_atomic(self.state(), best_checkpoint(self.run_dir))
 
     def _diverged(self, what: str) -> TrainingDiverged:
         if self.last_saved:
@@ -194,6 +218,8 @@ def run(
     if device is not None:
         recipe = with_run(recipe, device=device)
     torch_device = pick_device(recipe.run.device)
+    if recipe.run.threads:
+        torch.set_num_threads(recipe.run.threads)
     ckpt.seed_everything(recipe.run.seed)
     if resume is None:
         run_dir = ckpt.new_run_dir(out, recipe.run.name)

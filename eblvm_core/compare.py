@@ -1,0 +1,406 @@
+"""``eblvm compare SPEC.toml``: run several recipes over several seeds (optionally in parallel
+processes) and summarise them in a results folder:
+
+- ``table.md``: mean ± std over seeds of each chosen metric per method (and the wall time);
+- ``figure.png``: one image per method side by side (an evaluator's figure, e.g. the density
+  plot, or model samples) above the learning curves of one metric from metrics.jsonl;
+- ``results.json``: every run's directory, seed, time and tabulated metrics;
+- ``recipes/`` (each method's recipe as run), ``runs/`` (run directories), ``logs/`` (console
+  output of each run).
+
+It lives in the core because it drives the trainer, which plugins must not import.
+
+A spec::
+
+    [compare]
+    name = "checkerboard"                          # results go to results/<name> by default
+    seeds = 3
+    metrics = ["eval/exact-loglik/test_loglik"]    # table columns
+    curve = "eval/exact-loglik/test_loglik"        # learning-curve metric ("" for none)
+    image = "density-plot"                         # evaluator whose first image is shown, "samples", or ""
+    checkpoint = "last"                            # or "best" (the recipes' [run] select_metric)
+    overrides = ["run.eval_every=1000"]            # applied to every method
+
+    [[method]]
+    name = "DSM"
+    recipe = "../grbm_dsm.toml"                    # relative to the spec file
+    overrides = []
+
+    [[eval]]          # optional: added to (or, with eval_mode = "replace", instead of) each recipe's [[eval]]
+    kind = "score-loss"
+    split = "val"
+
+    [[final_eval]]    # optional: run once on the tabulated checkpoint (else: the run's final evaluation)
+    kind = "ais-loglik"
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import re
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.config import non_negative, option, positive, structure
+from eblvm_core.errors import ConfigError
+
+PALETTE = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 0), (0, 0, 128))
+
+
+@attrs.frozen
+class CompareConfig:
+    """The [compare] section of a spec."""
+
+    name: str = option("compare", "name of the comparison; results go to results/<name> unless --out is given")
+    seeds: int = option(3, "seeds per method (seed_offset, seed_offset + 1, ...); --seeds overrides", positive)
+    seed_offset: int = option(0, "first seed", non_negative)
+    metrics: list[str] = option(["eval/exact-loglik/test_loglik"], "final eval scalars to tabulate (mean ± std over seeds)")
+    curve: str = option("", "scalar of metrics.jsonl drawn as learning curves ('' for none)")
+    curve_range: list[float] | None = option(None, "[low, high] of the curve plot's value axis (values outside sit on its edge); None fits all")
+    image: str = option("", "evaluator whose first image shows each method (first seed, tabulated checkpoint), 'samples' for model samples, '' for none")
+    n_samples: int = option(1000, "samples drawn when image = 'samples'", positive)
+    checkpoint: Literal["last", "best"] = option("last", "tabulate the final evaluation, or re-evaluate checkpoints/best.pt")
+    eval_mode: Literal["append", "replace"] = option("append", "the spec's [[eval]] tables extend or replace each recipe's [[eval]] list")
+    overrides: list[str] = option([], "overrides applied to every method's recipe")
+
+
+@attrs.frozen
+class MethodConfig:
+    """One [[method]] of a spec: a recipe plus overrides."""
+
+    name: str = option(help="label in the table and figure")
+    recipe: str = option(help="recipe file, relative to the spec file")
+    overrides: list[str] = option([], "section.key=value overrides of this method")
+
+
+@attrs.frozen
+class Spec:
+    """A validated spec: each method's recipe, merged with the spec's [[eval]] tables and
+    overrides, as TOML-ready data (``recipes``); ``final_evals`` as raw tables."""
+
+    path: Path
+    compare: CompareConfig
+    methods: list[MethodConfig]
+    recipes: dict[str, dict[str, Any]]
+    final_evals: list[dict[str, Any]]
+
+
+def slug(name: str) -> str:
+    """A file-name-safe version of a method label."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "method"
+
+
+def _tables(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = raw.get(key, [])
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise ConfigError(key, None, f"must be an array of tables: write [[{key}]]")
+    return items
+
+
+def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
+    """Read and validate a spec: its own keys, every method's recipe merged with the spec's
+    [[eval]] tables and overrides (spec, then method, then ``extra_overrides``), and the
+    [[final_eval]] tables, so a typo fails before anything runs. Errors name the file."""
+    from eblvm_core.plugins import load
+    from eblvm_core.recipe import _component, apply_override, read, validate
+
+    path = Path(path)
+    raw = read(path)
+    try:
+        unknown = [k for k in raw if k not in ("compare", "method", "eval", "final_eval")]
+        if unknown:
+            raise ConfigError(unknown[0], None, "unknown section; a spec has [compare], [[method]], [[eval]] and [[final_eval]]")
+        compare = structure(CompareConfig, raw.get("compare", {}), "compare")
+        if compare.curve_range is not None and not (len(compare.curve_range) == 2 and compare.curve_range[0] < compare.curve_range[1]):
+            raise ConfigError("compare", "curve_range", f"must be [low, high] with low < high, got {compare.curve_range}")
+        methods = [structure(MethodConfig, body, f"method.{i}") for i, body in enumerate(_tables(raw, "method"))]
+        if not methods:
+            raise ConfigError("method", None, "a spec needs at least one [[method]]")
+        names = [slug(m.name) for m in methods]
+        if len(set(names)) != len(names):
+            raise ConfigError("method", "name", f"method names must differ as file names: {names}")
+        evals, final_evals = _tables(raw, "eval"), _tables(raw, "final_eval")
+        for i, body in enumerate(final_evals):
+            _component(f"final_eval.{i}", body, "evaluators", load())
+    except ConfigError as exc:
+        exc.file = exc.file or str(path)
+        raise
+    recipes = {}
+    for method in methods:
+        recipe_path = (path.parent / method.recipe).resolve()
+        merged = read(recipe_path)
+        merged["eval"] = [*(merged.get("eval", []) if compare.eval_mode == "append" else []), *evals]
+        try:
+            for override in [*compare.overrides, *method.overrides, *extra_overrides]:
+                apply_override(merged, override)
+        except ConfigError as exc:
+            exc.file = str(recipe_path)
+            raise
+        validate(merged, str(recipe_path))
+        recipes[method.name] = merged
+    return Spec(path, compare, methods, recipes, final_evals)
+
+
+# ---- running --------------------------------------------------------------------------------
+
+
+def run_one(task: dict[str, Any]) -> dict[str, Any]:
+    """Train one (method, seed) and gather what the summary needs; runs in a worker process
+    when --jobs > 1. Returns {method, seed, run_dir, seconds, final, image}."""
+    from eblvm_core.plugins import load
+    from eblvm_core.trainer import run as train
+
+    load()  # import the plugins before the clock starts
+    if task["threads"]:
+        torch.set_num_threads(task["threads"])
+    log_path = Path(task["log"])
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(log_path, "w") as log:
+        def echo(line: str) -> None:
+            log.write(line + "\n")
+            log.flush()
+
+        run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo)
+    seconds = time.perf_counter() - start
+    final = _tabulated(run_dir, task, final)
+    image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
+    return {"method": task["method"], "seed": task["seed"], "run_dir": str(run_dir), "seconds": seconds,
+            "final": final, "image": image}
+
+
+def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> dict[str, float]:
+    """The metrics of the tabulated checkpoint: the run's final evaluation, or a new one (of
+    best.pt, or by the [[final_eval]] evaluators), then also appended to its metrics.jsonl."""
+    from eblvm_core.evaluate import load_run, record, run_evaluators
+    from eblvm_core.plugins import load
+    from eblvm_core.recipe import _component
+
+    if task["checkpoint"] == "last" and not task["final_evals"]:
+        return final
+    loaded = load_run(run_dir, task["checkpoint"], task["device"])
+    sections = [_component(f"final_eval.{i}", body, "evaluators", load()) for i, body in enumerate(task["final_evals"])]
+    result = run_evaluators(loaded, sections)
+    record(loaded, attrs.evolve(result, images={}))
+    return result.scalars
+
+
+def _image(run_dir: Path, task: dict[str, Any]) -> str | None:
+    """Render the method's image from the tabulated checkpoint into images/<method>.png."""
+    from torchvision.utils import save_image
+
+    from eblvm_core.evaluate import default_sections, load_run, run_evaluators, sample_run
+
+    loaded = load_run(run_dir, task["checkpoint"], task["device"])
+    if task["image"] == "samples":
+        image = sample_run(loaded, task["n_samples"])[1]
+    else:
+        images = run_evaluators(loaded, default_sections([task["image"]])).images
+        if not images:
+            return None
+        image = next(iter(images.values()))
+    path = Path(task["images_dir"]) / f"{slug(task['method'])}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(image.float().cpu(), path)
+    return str(path)
+
+
+def compare(spec_path: str | Path, seeds: int | None = None, jobs: int = 1, steps: int | None = None,
+            out: str | Path | None = None, device: str | None = None, overrides: list[str] = (),
+            echo: Callable[[str], None] = print) -> Path:
+    """Run the spec's methods over seeds and write table.md, figure.png and results.json into
+    ``out`` (default results/<name>); returns that folder. ``steps`` sets run.steps of every
+    method (quick or smoke runs); ``overrides`` apply to every method after the spec's."""
+    import tomli_w
+
+    extra = list(overrides) + ([f"run.steps={steps}"] if steps is not None else [])
+    spec = load_spec(spec_path, extra)
+    cfg = spec.compare
+    n_seeds = seeds if seeds is not None else cfg.seeds
+    out = Path(out) if out is not None else Path("results") / cfg.name
+    (out / "recipes").mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    tasks = []
+    for method in spec.methods:
+        recipe_path = out / "recipes" / f"{slug(method.name)}.toml"
+        recipe_path.write_text(tomli_w.dumps(spec.recipes[method.name]))
+        for i in range(n_seeds):
+            seed = cfg.seed_offset + i
+            tasks.append({
+                "method": method.name, "seed": seed, "first_seed": i == 0, "device": device,
+                "recipe": str(recipe_path), "out": str(out / "runs"), "threads": threads,
+                "overrides": [f"run.seed={seed}", f"run.name={slug(method.name)}-seed{seed}"],
+                "log": str(out / "logs" / f"{slug(method.name)}-seed{seed}.log"),
+                "checkpoint": cfg.checkpoint, "final_evals": spec.final_evals,
+                "image": cfg.image, "n_samples": cfg.n_samples, "images_dir": str(out / "images"),
+            })
+    echo(f"compare {spec.path}: {len(spec.methods)} methods × {n_seeds} seeds, {jobs} job(s), results in {out}")
+    results = []
+
+    def done(result: dict[str, Any]) -> None:
+        echo(f"  {result['method']} seed {result['seed']}: {result['seconds']:.1f} s  {result['run_dir']}")
+        results.append(result)
+
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for result in pool.map(run_one, tasks):
+                done(result)
+    else:
+        for task in tasks:
+            done(run_one(task))
+    (out / "results.json").write_text(json.dumps({"spec": str(spec.path), "seeds": n_seeds, "steps": steps,
+                                                  "overrides": extra, "runs": results}, indent=2))
+    table = markdown_table(spec, results)
+    (out / "table.md").write_text(table)
+    figure = compose_figure(spec, results)
+    if figure is not None:
+        from torchvision.utils import save_image
+
+        save_image(figure, out / "figure.png")
+    echo(table)
+    return out
+
+
+# ---- summaries ------------------------------------------------------------------------------
+
+
+def mean_std(values: list[float]) -> str:
+    """'mean ± std' (sample std over seeds), or just the mean for one value."""
+    if not values:
+        return "n/a"
+    mean = statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.4g}"
+    return f"{mean:.4g} ± {statistics.stdev(values):.2g}"
+
+
+def markdown_table(spec: Spec, results: list[dict[str, Any]]) -> str:
+    """One row per method: each metric's mean ± std over seeds, and the mean wall time per run."""
+    metrics = spec.compare.metrics
+    header = ["method", *(m.removeprefix("eval/") for m in metrics), "seeds", "time per run (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in spec.methods:
+        runs = [r for r in results if r["method"] == method.name]
+        cells = [method.name]
+        for metric in metrics:
+            cells.append(mean_std([r["final"][metric] for r in runs if metric in r["final"]]))
+        cells += [str(len(runs)), f"{statistics.fmean(r['seconds'] for r in runs):.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def learning_curve(run_dir: str | Path, metric: str) -> list[tuple[int, float]]:
+    """(step, value) of ``metric`` in a run's metrics.jsonl (training-time records only)."""
+    points = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if metric in record and "checkpoint" not in record and math.isfinite(record[metric]):
+            points.append((int(record["step"]), float(record[metric])))
+    return points
+
+
+def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Average over seeds at the steps every seed reports."""
+    common = set.intersection(*(set(s for s, _ in c) for c in curves)) if curves else set()
+    return [(step, statistics.fmean(dict(c)[step] for c in curves)) for step in sorted(common)]
+
+
+def compose_figure(spec: Spec, results: list[dict[str, Any]]) -> Tensor | None:
+    """The methods' images in a labelled row above the learning-curve plot: (3, H, W) in [0, 1]."""
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    panels = []
+    for method in spec.methods:
+        path = next((r["image"] for r in results if r["method"] == method.name and r["image"]), None)
+        if path is not None:
+            panels.append((method.name, Image.open(path).convert("RGB")))
+    curves = {}
+    if spec.compare.curve:
+        for method in spec.methods:
+            per_seed = [learning_curve(r["run_dir"], spec.compare.curve) for r in results if r["method"] == method.name]
+            curve = mean_curve([c for c in per_seed if c])
+            if curve:
+                curves[method.name] = curve
+    parts = []
+    if panels:
+        parts.append(_panel_rows(panels))
+    if curves:
+        parts.append(_curve_plot(curves, spec.compare.curve, spec.compare.curve_range))
+    if not parts:
+        return None
+    width = max(p.width for p in parts)
+    canvas = Image.new("RGB", (width, sum(p.height for p in parts)), "white")
+    y = 0
+    for part in parts:
+        canvas.paste(part, (0, y))
+        y += part.height
+    return pil_to_tensor(canvas).float() / 255
+
+
+def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int = 4) -> Any:
+    """Labelled images, scaled to ``height``, ``per_row`` to a row (PIL image)."""
+    from PIL import Image, ImageDraw
+
+    scaled = [(name, im.resize((max(1, round(im.width * height / im.height)), height), Image.NEAREST)) for name, im in panels]
+    cell = max(im.width for _, im in scaled) + 10
+    rows = -(-len(scaled) // per_row)
+    sheet = Image.new("RGB", (10 + cell * min(per_row, len(scaled)), rows * (height + 30)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (name, im) in enumerate(scaled):
+        x, y = 10 + cell * (i % per_row), (height + 30) * (i // per_row)
+        draw.text((x, y + 5), name, fill="black")
+        sheet.paste(im, (x, y + 25))
+    return sheet
+
+
+def _curve_plot(curves: dict[str, list[tuple[int, float]]], metric: str, value_range: list[float] | None = None,
+                width: int = 640, height: int = 360) -> Any:
+    """Line plot of each method's curve with axis ranges, a title and a legend (PIL only);
+    ``value_range`` fixes the value axis, and values outside it are drawn on its edge."""
+    from PIL import Image, ImageDraw
+
+    left, right, top, bottom = 70, 150, 30, 40
+    steps = [s for c in curves.values() for s, _ in c]
+    values = [v for c in curves.values() for _, v in c]
+    s_lo, s_hi = min(steps), max(steps)
+    v_lo, v_hi = value_range if value_range else (min(values), max(values))
+    if v_hi == v_lo:
+        v_lo, v_hi = v_lo - 0.5, v_hi + 0.5
+    if s_hi == s_lo:
+        s_lo -= 1
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    x0, x1, y0, y1 = left, width - right, top, height - bottom
+    draw.rectangle([x0, y0, x1, y1], outline="black")
+
+    def at(step: float, value: float) -> tuple[float, float]:
+        value = min(max(value, v_lo), v_hi)
+        return (x0 + (step - s_lo) / (s_hi - s_lo) * (x1 - x0), y1 - (value - v_lo) / (v_hi - v_lo) * (y1 - y0))
+
+    draw.text((x0, 8), f"{metric.removeprefix('eval/')} vs step", fill="black")
+    draw.text((5, y0), f"{v_hi:.3g}", fill="black")
+    draw.text((5, y1 - 10), f"{v_lo:.3g}", fill="black")
+    draw.text((x0, y1 + 8), f"{s_lo}", fill="black")
+    draw.text((x1 - 40, y1 + 8), f"{s_hi}", fill="black")
+    for i, (name, curve) in enumerate(curves.items()):
+        colour = PALETTE[i % len(PALETTE)]
+        xy = [at(s, v) for s, v in curve]
+        if len(xy) > 1:
+            draw.line(xy, fill=colour, width=2)
+        for x, y in xy:
+            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
+        draw.line([x1 + 10, y0 + 10 + 16 * i, x1 + 30, y0 + 10 + 16 * i], fill=colour, width=3)
+        draw.text((x1 + 35, y0 + 4 + 16 * i), name, fill="black")
+    return image

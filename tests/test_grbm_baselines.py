@@ -1,0 +1,333 @@
+"""Gibbs sampling, AIS, CD/PCD and the Fisher evaluators of the GRBM plugin, checked against
+enumeration, closed forms and independent computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.contracts import DataSplits, Parts
+from eblvm_core.errors import ConfigError
+from eblvm_grbm.ais import AISLoglikConfig, ais_log_partition, base_log_partition, build_ais_loglik
+from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd, contrastive_loss
+from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
+from eblvm_grbm.fisher import (PosteriorFisherConfig, ScoreLossConfig, build_posterior_fisher, build_score_loss,
+                               posterior_fisher, score_matching_loss)
+from eblvm_grbm.gibbs import GibbsConfig, GibbsSampler, gibbs_chain
+from eblvm_grbm.model import GRBM, all_binary
+
+
+def random_grbm(d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0) -> GRBM:
+    """A float64 GRBM with every parameter away from its initial value."""
+    torch.manual_seed(seed)
+    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std).double()
+    with torch.no_grad():
+        model.b.normal_(0.0, 0.5)
+        model.c.normal_(0.0, 0.5)
+    return model
+
+
+def hidden_marginal(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
+    """All hidden states (2^m, m) and their exact marginal p(h) (2^m,), v integrated out."""
+    hs = all_binary(model.W.shape[1], model.W)
+    wh = hs @ model.W.T
+    logits = hs @ model.c + wh @ model.b / model.sigma + 0.5 * (wh**2).sum(-1)
+    return hs, torch.softmax(logits, 0).detach()
+
+
+def exact_samples(model: GRBM, n: int) -> torch.Tensor:
+    """n exact draws of v: h ~ p(h) by enumeration, then v ~ N(b + σWh, σ²I)."""
+    with torch.no_grad():
+        hs, p_h = hidden_marginal(model)
+        h = hs[torch.multinomial(p_h, n, replacement=True)]
+        return model.visible_mean(h) + model.sigma * torch.randn(n, model.W.shape[0], dtype=model.W.dtype)
+
+
+def exact_moments(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
+    """E[v] (d,) and E[vvᵀ] (d, d) of the GRBM, from the mixture over enumerated h."""
+    with torch.no_grad():
+        hs, p_h = hidden_marginal(model)
+        means = model.visible_mean(hs)
+        d = means.shape[1]
+        second = model.sigma**2 * torch.eye(d, dtype=means.dtype) + torch.einsum("k,ki,kj->ij", p_h, means, means)
+        return p_h @ means, second
+
+
+def assert_moments_match(model: GRBM, v: torch.Tensor, n_sigma: float = 5.0) -> None:
+    """Sample mean and second moments within n_sigma standard errors of the exact ones."""
+    mean, second = exact_moments(model)
+    n = len(v)
+    outer = v.unsqueeze(2) * v.unsqueeze(1)  # (n, d, d)
+    for estimate, target, spread in [(v.mean(0), mean, v.std(0)), (outer.mean(0), second, outer.std(0))]:
+        stderr = spread / math.sqrt(n)
+        assert ((estimate - target).abs() <= n_sigma * stderr + 1e-12).all(), (estimate, target, stderr)
+
+
+# ---- Gibbs -----------------------------------------------------------------------------------
+
+
+def test_gibbs_sweep_leaves_the_exact_distribution_invariant():
+    model = random_grbm(d=2, m=3)
+    torch.manual_seed(1)
+    start = exact_samples(model, 100_000)
+    assert_moments_match(model, start)
+    assert_moments_match(model, gibbs_chain(model, start, n_steps=3))
+
+
+def test_gibbs_sampler_from_noise_reaches_the_exact_moments():
+    model = random_grbm(d=2, m=3, seed=2)
+    data = DataSplits(train=torch.rand(50, 2, dtype=torch.float64), test=torch.rand(5, 2, dtype=torch.float64))
+    sampler = GibbsSampler(GibbsConfig(burn_in=60, n_chains=25_000, n_steps=10), data)
+    v = sampler.sample(model, 50_000, torch.Generator().manual_seed(3))
+    assert v.shape == (50_000, 2)
+    assert_moments_match(model, v)
+
+
+def test_gibbs_sampler_is_reproducible_and_refuses_other_models():
+    model = random_grbm(d=2, m=3)
+    sampler = GibbsSampler(GibbsConfig(burn_in=5, final_mean=True), None)
+    a = sampler.sample(model, 7, torch.Generator().manual_seed(0))
+    b = sampler.sample(model, 7, torch.Generator().manual_seed(0))
+    assert torch.equal(a, b) and a.shape == (7, 2)
+    with pytest.raises(ConfigError, match="needs a GRBM"):
+        sampler.sample(torch.nn.Linear(2, 2), 3)  # type: ignore[arg-type]
+
+
+# ---- AIS -------------------------------------------------------------------------------------
+
+
+def test_base_log_partition_is_the_enumerated_value_at_w_zero():
+    model = random_grbm(d=3, m=4)
+    with torch.no_grad():
+        model.W.zero_()
+    torch.testing.assert_close(base_log_partition(model), model.log_partition(), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ais_agrees_with_enumeration_within_its_reported_error(seed):
+    model = random_grbm(d=4, m=6, sigma=0.6, weight_std=0.7, seed=seed)
+    result = ais_log_partition(model, n_chains=300, n_temps=300, generator=torch.Generator().manual_seed(seed))
+    exact = float(model.log_partition().detach())
+    assert 0 < result.log_z_stderr < 0.1
+    assert abs(result.log_z - exact) <= 4 * result.log_z_stderr, (result.log_z, exact, result.log_z_stderr)
+
+
+def test_ais_log_z_is_a_stochastic_lower_bound_and_z_is_unbiased():
+    """Few temperatures make the Jensen gap visible: mean log Ẑ over repeats sits below log Z,
+    while Ẑ itself (pooling every chain's weight) stays unbiased."""
+    model = random_grbm(d=3, m=5, sigma=0.6, weight_std=0.9, seed=4)
+    exact = float(model.log_partition().detach())
+    repeats, chains = 400, 4
+    result = ais_log_partition(model, repeats * chains, n_temps=6, generator=torch.Generator().manual_seed(5))
+    log_z0 = float(base_log_partition(model).detach())
+    log_w = result.log_weights.reshape(repeats, chains)
+    per_run = log_z0 + torch.logsumexp(log_w, 1) - math.log(chains)  # log Ẑ of each small AIS run
+    stderr = float(per_run.std()) / math.sqrt(repeats)
+    assert float(per_run.mean()) <= exact + 2 * stderr
+    assert float(per_run.mean()) < exact - 5 * stderr  # the bias is real, not noise
+    assert abs(result.log_z - exact) <= 4 * result.log_z_stderr
+
+
+def test_ais_evaluator_matches_exact_loglik_and_reports_its_error():
+    model = random_grbm(d=3, m=5, sigma=0.6, weight_std=0.7, seed=6)
+    data = DataSplits(train=torch.randn(40, 3, dtype=torch.float64), test=torch.randn(200, 3, dtype=torch.float64),
+                      val=torch.randn(30, 3, dtype=torch.float64))
+    parts = Parts(dtype=torch.float64, data=data, model=model)
+    ais = build_ais_loglik(AISLoglikConfig(n_chains=300, n_temps=300, split="val"), parts)(parts).scalars
+    exact = build_exact_loglik(ExactLoglikConfig(split="val"), parts)(parts).scalars
+    assert set(ais) == {"val_loglik", "val_loglik_stderr", "log_z", "log_z_stderr"}
+    assert abs(ais["val_loglik"] - exact["val_loglik"]) <= 4 * ais["val_loglik_stderr"]
+    assert ais["log_z"] == pytest.approx(float(model.log_partition().detach()), abs=4 * ais["log_z_stderr"])
+    again = build_ais_loglik(AISLoglikConfig(n_chains=300, n_temps=300, split="val"), parts)(parts).scalars
+    assert again == ais  # seeded
+
+
+def test_ais_evaluator_refusals():
+    model = random_grbm(d=2, m=2)
+    data = DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2))
+    with pytest.raises(ConfigError, match="no 'val' split"):
+        build_ais_loglik(AISLoglikConfig(split="val"), Parts(data=data, model=model))
+    with pytest.raises(ConfigError, match="at least 2 temperatures"):
+        build_ais_loglik(AISLoglikConfig(n_temps=1), Parts(data=data, model=model))
+    with pytest.raises(ConfigError, match="needs a GRBM"):
+        build_ais_loglik(AISLoglikConfig(), Parts(data=data, model=torch.nn.Linear(2, 2)))  # type: ignore[arg-type]
+
+
+# ---- CD / PCD --------------------------------------------------------------------------------
+
+
+def per_sample_free_energy_grads(model: GRBM, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """∂F(v_i)/∂θ for each sample: name -> (n, *shape)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    return vmap(grad(lambda p, x: _free_energy_with(p, x)), in_dims=(None, 0))(params, v)
+
+
+def _free_energy_with(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """F(x) of one point with parameters ``p`` (the GRBM formula, written out)."""
+    sigma = p["log_sigma"].exp()
+    return ((x - p["b"]) ** 2).sum() / (2 * sigma**2) - torch.nn.functional.softplus(p["c"] + x @ p["W"] / sigma).sum()
+
+
+def exact_nll_gradient(model: GRBM, data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """∂/∂θ of −mean log p(data) = mean F(data) + log Z, by autograd through enumeration."""
+    loss = model.free_energy(data).mean() + model.log_partition()
+    names = [n for n, _ in model.named_parameters()]
+    return dict(zip(names, torch.autograd.grad(loss, [p for _, p in model.named_parameters()])))
+
+
+def surrogate_gradient(model: GRBM, data: torch.Tensor, samples: torch.Tensor) -> dict[str, torch.Tensor]:
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(contrastive_loss(model, data, samples), [p for _, p in model.named_parameters()])
+    return dict(zip(names, grads))
+
+
+def test_free_energy_formula_in_tests_is_the_models():
+    model = random_grbm(d=2, m=2)
+    v = torch.randn(3, 2, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    torch.testing.assert_close(torch.stack([_free_energy_with(params, x) for x in v]), model.free_energy(v))
+
+
+def test_long_cd_chains_give_the_exact_likelihood_gradient():
+    """CD with k large: E_data ∂F − E_chains ∂F equals ∂(−mean log p)/∂θ within Monte Carlo error."""
+    model = random_grbm(d=2, m=2, sigma=0.8, weight_std=0.9, seed=7)
+    torch.manual_seed(8)
+    data = torch.rand(200, 2, dtype=torch.float64)
+    starts = data.repeat(200, 1)  # 40,000 chains from the data, as CD starts
+    samples = gibbs_chain(model, starts, n_steps=40)
+    estimate = surrogate_gradient(model, data, samples)
+    exact = exact_nll_gradient(model, data)
+    per_sample = per_sample_free_energy_grads(model, samples)
+    for name, value in exact.items():
+        stderr = per_sample[name].std(0) / math.sqrt(len(samples))
+        assert ((estimate[name] - value).abs() <= 5 * stderr + 1e-10).all(), (name, estimate[name], value, stderr)
+
+
+def test_cd1_gradient_vanishes_in_expectation_when_data_come_from_the_model():
+    model = random_grbm(d=2, m=3, seed=9)
+    torch.manual_seed(10)
+    data = exact_samples(model, 60_000)
+    samples = gibbs_chain(model, data, n_steps=1)
+    estimate = surrogate_gradient(model, data, samples)
+    diffs = {k: a - b for (k, a), b in zip(per_sample_free_energy_grads(model, data).items(),
+                                          per_sample_free_energy_grads(model, samples).values())}
+    for name, value in estimate.items():
+        stderr = diffs[name].std(0) / math.sqrt(len(data))
+        assert (value.abs() <= 5 * stderr + 1e-12).all(), (name, value, stderr)
+
+
+@pytest.mark.parametrize("kind", ["cd", "pcd"])
+def test_cd_and_pcd_steps_raise_the_exact_likelihood(kind):
+    model = random_grbm(d=2, m=3, sigma=1.0, weight_std=0.3, seed=11)
+    torch.manual_seed(12)
+    data = DataSplits(train=0.3 * torch.randn(500, 2, dtype=torch.float64) + 2.0, test=torch.randn(5, 2, dtype=torch.float64))
+    parts = Parts(dtype=torch.float64, data=data, model=model,
+                  optimizer_factories={"model": lambda params: torch.optim.SGD(params, lr=0.02)})
+    estimator = build_cd(CDConfig(k=1), parts) if kind == "cd" else build_pcd(PCDConfig(k=1, n_chains=500), parts)
+    before = float(model.log_likelihood(data.train).mean().detach())
+    for _ in range(20):
+        metrics = estimator.step(data.train)
+    after = float(model.log_likelihood(data.train).mean().detach())
+    assert math.isfinite(metrics["loss"]) and set(metrics) >= {"loss", "grad_norm/model", "sigma"}
+    assert ("reconstruction" in metrics) == (kind == "cd")
+    assert after > before + 0.1
+
+
+def test_pcd_chains_persist_and_round_trip_through_a_checkpoint(tmp_path):
+    model = random_grbm(d=2, m=3)
+    data = DataSplits(train=torch.randn(100, 2, dtype=torch.float64), test=torch.randn(5, 2, dtype=torch.float64))
+    parts = Parts(dtype=torch.float64, data=data, model=model)
+    estimator = build_pcd(PCDConfig(n_chains=17, init="noise"), parts)
+    start = estimator.chains.clone()
+    estimator.step(data.train[:10])
+    assert estimator.chains.shape == (17, 2) and not torch.equal(estimator.chains, start)
+    ckpt.save_atomic({"estimator": estimator.state_dict()}, tmp_path / "c.pt")
+    other = build_pcd(PCDConfig(n_chains=17), parts)
+    other.load_state_dict(ckpt.load(tmp_path / "c.pt")["estimator"])
+    assert torch.equal(other.chains, estimator.chains)
+
+
+def test_cd_refuses_models_without_gibbs():
+    from tests.linear_gaussian import build
+
+    _, _, parts = build()
+    with pytest.raises(ConfigError, match="cd needs a GRBM"):
+        build_cd(CDConfig(), parts)
+
+
+# ---- score-loss and posterior-fisher ---------------------------------------------------------
+
+
+def grbm_score_loss_closed_form(model: GRBM, v: torch.Tensor) -> torch.Tensor:
+    """½‖s‖² + tr ∇s with s = −(v − b)/σ² + W p/σ and tr ∇s = −d/σ² + Σ_j p_j(1−p_j)‖W_j‖²/σ²."""
+    sigma = model.sigma
+    p = torch.sigmoid(model.hidden_logits(v))
+    s = -(v - model.b) / sigma**2 + p @ model.W.T / sigma
+    trace = -v.shape[1] / sigma**2 + (p * (1 - p)) @ (model.W**2).sum(0) / sigma**2
+    return (0.5 * (s**2).sum(-1) + trace).detach()
+
+
+def test_score_loss_exact_trace_equals_the_grbm_closed_form():
+    model = random_grbm(d=3, m=4)
+    v = torch.randn(20, 3, dtype=torch.float64)
+    torch.testing.assert_close(score_matching_loss(model, v, "exact"), grbm_score_loss_closed_form(model, v),
+                               rtol=0, atol=1e-10)
+
+
+def test_hutchinson_trace_is_unbiased():
+    model = random_grbm(d=6, m=4)
+    v = torch.randn(3, 6, dtype=torch.float64)
+    exact = score_matching_loss(model, v, "exact")
+    probes = torch.stack([score_matching_loss(model, v, "hutchinson", 1, torch.Generator().manual_seed(i)) for i in range(1500)])
+    stderr = probes.std(0) / math.sqrt(len(probes))
+    assert ((probes.mean(0) - exact).abs() <= 5 * stderr).all()
+
+
+def test_score_loss_evaluator_picks_the_trace_and_averages():
+    model = random_grbm(d=3, m=4)
+    data = DataSplits(train=torch.randn(10, 3, dtype=torch.float64), test=torch.randn(25, 3, dtype=torch.float64))
+    parts = Parts(dtype=torch.float64, data=data, model=model)
+    scalars = build_score_loss(ScoreLossConfig(batch_size=7), parts)(parts).scalars
+    expected = grbm_score_loss_closed_form(model, data.test)
+    assert scalars["test_score_loss"] == pytest.approx(float(expected.mean()), abs=1e-10)
+    assert scalars["test_score_loss_stderr"] == pytest.approx(float(expected.std() / 5), abs=1e-10)
+    noisy = build_score_loss(ScoreLossConfig(trace="hutchinson", n_probes=2), parts)(parts).scalars
+    assert noisy["test_score_loss"] != scalars["test_score_loss"]
+    with pytest.raises(ConfigError, match="no 'val' split"):
+        build_score_loss(ScoreLossConfig(split="val"), parts)
+
+
+def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_form():
+    from tests.linear_gaussian import build
+
+    model, posterior, parts = build(d=3, m=2)
+    v = parts.data.test
+    assert float(posterior_fisher(model, posterior, v).abs().max()) < 1e-20
+    delta = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    log_s = torch.tensor([0.4, -0.3], dtype=torch.float64)
+    with torch.no_grad():
+        posterior.head.bias[:2] += delta
+        posterior.head.bias[2:] = log_s
+    # ∇_h log q + ∇_h E = (h − μ)(D − 1/s²) + D(μ − μ*), so D_F = ½[Σ_j (D_j − 1/s_j²)² s_j² + ‖Dδ‖²]
+    dd, s2 = model.log_d.exp().detach(), (2 * log_s).exp()
+    closed = 0.5 * (((dd - 1 / s2) ** 2 * s2).sum() + ((dd * delta) ** 2).sum())
+    torch.manual_seed(13)
+    values = posterior_fisher(model, posterior, v, n_samples=20_000)
+    assert torch.allclose(values, closed.expand(len(v)), rtol=0.03)
+
+
+def test_posterior_fisher_evaluator_and_refusals():
+    from tests.linear_gaussian import build
+
+    model, posterior, parts = build(d=3, m=2)
+    scalars = build_posterior_fisher(PosteriorFisherConfig(), parts)(parts).scalars
+    assert scalars["test_posterior_fisher"] == pytest.approx(0.0, abs=1e-20)
+    with pytest.raises(ConfigError, match="needs a \\[posterior\\]"):
+        build_posterior_fisher(PosteriorFisherConfig(), Parts(data=parts.data, model=model))
+    grbm = Parts(data=DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2)), model=GRBM(2, 2), posterior=posterior)
+    with pytest.raises(ConfigError, match="continuous"):
+        build_posterior_fisher(PosteriorFisherConfig(), grbm)
