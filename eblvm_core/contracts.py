@@ -87,6 +87,12 @@ class Posterior(nn.Module):
         """E_q[h | v]: v (B, d) -> (B, m)."""
         raise NotImplementedError
 
+    def rsample_and_log_prob(self, v: Tensor, n: int = 1) -> tuple[Tensor, Tensor]:
+        """``rsample(v, n)`` (n, B, m) and its ``log_prob`` (n, B) in one go; posteriors
+        override it to evaluate their network once (lower-level divergences call it)."""
+        h = self.rsample(v, n)
+        return h, self.log_prob(h, v)
+
 
 class ScoreObjective:
     """A score-matching functional F (BiSM Eq. 7): per-sample losses given a score field.

@@ -1,0 +1,212 @@
+"""Shared tools for bi-level estimators: parameters as dicts, differentiable optimizer steps,
+Hessian-vector products and linear solvers for implicit gradients.
+
+Parameters travel as ``dict[str, Tensor]`` keyed like ``module.named_parameters()``; vectors
+handed to the solvers are flat 1-D tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+
+class _Call(nn.Module):
+    """Holds ``module`` so that ``functional_call`` can swap its parameters around ``fn``."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+
+class Functional:
+    """Runs code with a module's parameters replaced by a dict (``torch.func.functional_call``).
+
+    ``Functional(posterior).call(params, fn, *args)`` evaluates ``fn(*args)`` while every
+    use of ``posterior``'s parameters inside ``fn`` sees ``params`` instead; names missing
+    from ``params`` keep the module's own tensors.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self._wrapper = _Call(module)
+
+    def call(self, params: dict[str, Tensor], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        swapped = {f"module.{name}": value for name, value in params.items()}
+        return functional_call(self._wrapper, swapped, (fn, *args), kwargs, strict=False)
+
+    def method(self, params: dict[str, Tensor], name: str, *args: Any, **kwargs: Any) -> Any:
+        """``module.<name>(*args)`` under ``params``."""
+        return self.call(params, getattr(self.module, name), *args, **kwargs)
+
+
+def trainable(module: nn.Module) -> dict[str, Tensor]:
+    """The parameters of ``module`` that require grad, by name."""
+    return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+
+def grads_or_zeros(outputs: Tensor | Sequence[Tensor], inputs: Sequence[Tensor], **kwargs: Any) -> list[Tensor]:
+    """``torch.autograd.grad`` with zeros for inputs the outputs do not depend on."""
+    grads = torch.autograd.grad(outputs, list(inputs), allow_unused=True, **kwargs)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+
+
+def flat(tensors: Sequence[Tensor]) -> Tensor:
+    """Concatenate tensors into one vector."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflat(vector: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
+    """Split a vector into tensors shaped like ``like``."""
+    return [part.view_as(t) for part, t in zip(vector.split([t.numel() for t in like]), like)]
+
+
+def sgd_step(params: dict[str, Tensor], grads: Sequence[Tensor], lr: float) -> dict[str, Tensor]:
+    """One differentiable gradient-descent step p - lr·g (BiSM Eq. 13)."""
+    return {name: torch.add(p, g, alpha=-lr) for (name, p), g in zip(params.items(), grads)}
+
+
+@attrs.define
+class DifferentiableAdam:
+    """A differentiable copy of a ``torch.optim.Adam``: same hyper-parameters and state.
+
+    ``step`` returns new parameters (functions of the gradients, so of θ through them) and
+    advances its own moments; the real optimizer is left untouched. Weight decay is the
+    L2 form of ``torch.optim.Adam``; gradient clipping is not reproduced. The copied second
+    moment starts 1e-30 above the real one, so the square root never sees 0 and its
+    derivative stays finite.
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step_count: list[float]
+    exp_avg: list[Tensor]
+    exp_avg_sq: list[Tensor]
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "DifferentiableAdam":
+        """Copy hyper-parameters and state of ``optimizer`` (an Adam) for ``params``."""
+        if not isinstance(optimizer, torch.optim.Adam):
+            raise TypeError(f"a differentiable Adam step needs a torch.optim.Adam, got {type(optimizer).__name__}")
+        group = next(g for g in optimizer.param_groups if any(p is params[0] for p in g["params"]))
+        if group["amsgrad"] or group["maximize"]:
+            raise ValueError("the differentiable Adam step supports neither amsgrad nor maximize")
+        steps, avg, avg_sq = [], [], []
+        for p in params:
+            state = optimizer.state.get(p, {})
+            steps.append(float(state["step"]) if "step" in state else 0.0)
+            avg.append(state["exp_avg"].detach() if "exp_avg" in state else torch.zeros_like(p))
+            avg_sq.append(state["exp_avg_sq"].detach() + 1e-30 if "exp_avg_sq" in state else torch.full_like(p, 1e-30))
+        beta1, beta2 = group["betas"]
+        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], steps, avg, avg_sq)
+
+    def step(self, params: dict[str, Tensor], grads: Sequence[Tensor]) -> dict[str, Tensor]:
+        """One Adam step from ``params`` along ``grads``, differentiable in both.
+
+        p − lr/(1−β1ᵗ) · m / (√(v/(1−β2ᵗ)) + eps), written as p − a·m / (√v + eps·√(1−β2ᵗ))
+        with a = lr·√(1−β2ᵗ)/(1−β1ᵗ): fewer graph nodes, the same values.
+        """
+        out = {}
+        for i, ((name, p), g) in enumerate(zip(params.items(), grads)):
+            if self.weight_decay:
+                g = torch.add(g, p, alpha=self.weight_decay)
+            self.step_count[i] += 1
+            t = self.step_count[i]
+            self.exp_avg[i] = torch.lerp(self.exp_avg[i], g, 1 - self.beta1)
+            self.exp_avg_sq[i] = torch.addcmul(self.beta2 * self.exp_avg_sq[i], g, g, value=1 - self.beta2)
+            root = math.sqrt(1 - self.beta2**t)
+            denom = self.exp_avg_sq[i].sqrt() + self.eps * root
+            out[name] = torch.addcdiv(p, self.exp_avg[i], denom, value=-self.lr * root / (1 - self.beta1**t))
+        return out
+
+
+def hvp(grads: Sequence[Tensor], params: Sequence[Tensor], vector: Sequence[Tensor]) -> list[Tensor]:
+    """Hessian-vector product by double backward: ∂(gradsᵀ·vector)/∂params.
+
+    ``grads`` must come from ``torch.autograd.grad(..., params, create_graph=True)``; the
+    graph is retained so the product can be taken again.
+    """
+    pairs = [(g, v) for g, v in zip(grads, vector) if g.requires_grad]
+    if not pairs:
+        return [torch.zeros_like(p) for p in params]
+    outs, vecs = zip(*pairs)
+    return grads_or_zeros(outs, params, grad_outputs=vecs, retain_graph=True)
+
+
+@attrs.frozen
+class SolveInfo:
+    """How a linear solve ended: iterations used and the final relative residual (CG) or
+    relative size of the last Neumann term."""
+
+    iterations: int
+    residual: float
+
+
+def conjugate_gradient(
+    matvec: Callable[[Tensor], Tensor], b: Tensor, iterations: int = 20, tol: float = 1e-6, damping: float = 0.0
+) -> tuple[Tensor, SolveInfo]:
+    """Solve (A + damping·I) x = b for symmetric A given only x ↦ Ax, from x = 0.
+
+    Stops when ‖r‖ ≤ tol·‖b‖ or after ``iterations``; on a direction of non-positive
+    curvature (A not positive definite there) it stops and returns the iterate reached so
+    far (x = 0 if that happens at once: the implicit correction is then dropped).
+    """
+    x = torch.zeros_like(b)
+    r, p = b.clone(), b.clone()
+    rr = r.dot(r)
+    b_norm = float(rr.sqrt())
+    if b_norm == 0.0:
+        return x, SolveInfo(0, 0.0)
+    done = 0
+    for k in range(1, iterations + 1):
+        ap = matvec(p) + damping * p
+        curvature = p.dot(ap)
+        if curvature <= 0:
+            break
+        alpha = rr / curvature
+        x = x + alpha * p
+        r = r - alpha * ap
+        rr_new = r.dot(r)
+        p = r + (rr_new / rr) * p
+        rr, done = rr_new, k
+        if float(rr.sqrt()) <= tol * b_norm:
+            break
+    return x, SolveInfo(done, float(rr.sqrt()) / b_norm)
+
+
+def neumann(
+    matvec: Callable[[Tensor], Tensor],
+    b: Tensor,
+    iterations: int = 20,
+    tol: float = 1e-6,
+    damping: float = 0.0,
+    step: float = 0.1,
+) -> tuple[Tensor, SolveInfo]:
+    """Approximate (A + damping·I)⁻¹ b by the truncated series step·Σ_k (I − step·(A + damping·I))^k b.
+
+    Converges when the eigenvalues of step·(A + damping·I) lie in (0, 2); stops once a term
+    is smaller than tol·‖b‖.
+    """
+    term, total = b.clone(), b.clone()
+    b_norm = float(b.norm())
+    if b_norm == 0.0:
+        return torch.zeros_like(b), SolveInfo(0, 0.0)
+    size, k = 1.0, 0
+    for k in range(1, iterations + 1):
+        term = term - step * (matvec(term) + damping * term)
+        total = total + term
+        size = float(term.norm()) / b_norm
+        if size <= tol:
+            break
+    return step * total, SolveInfo(k, size)

@@ -1,0 +1,224 @@
+"""Bi-level score matching (BiSM, Bao et al. 2020): unrolled and implicit-gradient estimators.
+
+Upper level J_Bi(θ, φ) = E F(ŝ) with the modified score ŝ(x) = ∇_x[−E(x, h) − log q(h|x)]
+(Eq. 8); lower level G(θ, φ) = E D(q(h|x) ‖ p(h|x)) (Eq. 9). Both see the objective's
+points x (the noisy ṽ for DSM). Each step: K real posterior updates on G with the model
+frozen, then a θ update along an approximation of dJ_Bi(θ, φ*(θ))/dθ.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Literal
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.bilevel import (
+    DifferentiableAdam,
+    Functional,
+    conjugate_gradient,
+    flat,
+    grads_or_zeros,
+    hvp,
+    neumann,
+    sgd_step,
+    trainable,
+    unflat,
+)
+from eblvm_core.config import non_negative, option, positive
+from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreField
+from eblvm_core.errors import ConfigError
+from eblvm_core.hookspecs import hookimpl
+from eblvm_core.optim import apply_update
+
+from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
+
+
+def modified_score(model: EnergyModel, posterior: Posterior) -> ScoreField:
+    """ŝ(x) = ∇_x[−E(x, h) − log q(h|x)], x (B, d) -> (B, d), one h ~ q(h|x) per point (Eq. 8).
+
+    h is reparameterised at x.detach(): held fixed while differentiating in x, yet a function
+    of φ, so ŝ is differentiable in x (with the graph kept), θ and φ.
+    """
+
+    def score(x: Tensor) -> Tensor:
+        h = posterior.rsample(x.detach(), 1)[0]
+        if not x.requires_grad:
+            x = x.detach().requires_grad_(True)
+        total = model.energy(x, h) + posterior.log_prob(h, x)
+        (grad,) = torch.autograd.grad(total.sum(), x, create_graph=True)
+        return -grad
+
+    return score
+
+
+class BiSM(Estimator):
+    """Shared part of the BiSM estimators: parts, optimizers, the two levels and the step.
+
+    Subclasses implement ``hypergradient(x, context) -> (dJ/dθ per model parameter, metrics)``.
+    """
+
+    def __init__(self, parts: Parts, inner_steps: int):
+        self.model: EnergyModel = parts.need("model", "estimator")
+        self.posterior: Posterior = parts.need("posterior", "estimator")
+        self.objective = parts.need("objective", "estimator")
+        self.divergence = parts.need("divergence", "estimator")
+        self.inner_steps = inner_steps
+        self.theta = [p for p in self.model.parameters() if p.requires_grad]
+        self.phi = trainable(self.posterior)
+        self.optimizers = {
+            "model": parts.make_optimizer("model", self.theta),
+            "posterior": parts.make_optimizer("posterior", list(self.phi.values())),
+        }
+        self.functional = Functional(self.posterior)
+
+    def lower(self, x: Tensor) -> Tensor:
+        """G(θ, φ) on the points x: scalar batch mean of the divergence."""
+        return self.divergence(self.model, self.posterior, x).mean()
+
+    def upper(self, x: Tensor, context: Any) -> Tensor:
+        """J_Bi(θ, φ) on the points x: scalar batch mean of the objective on the modified score."""
+        return self.objective.loss(modified_score(self.model, self.posterior), x, context).mean()
+
+    def fit_posterior(self, x: Tensor) -> dict[str, float]:
+        """K real updates of φ on G with the posterior's optimizer; θ gets no gradient."""
+        for _ in range(self.inner_steps):
+            lower = self.lower(x)
+            norm = apply_update(self.optimizers["posterior"], lower)
+        return {"lower_loss": float(lower.detach()), "grad_norm/posterior": norm}
+
+    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
+        raise NotImplementedError
+
+    def step(self, batch: Tensor) -> dict[str, float]:
+        """batch (B, d) -> metrics; K posterior updates, then one model update."""
+        x, context = self.objective.points(batch)
+        metrics = self.fit_posterior(x)
+        grads, more = self.hypergradient(x, context)
+        for p, g in zip(self.theta, grads):
+            p.grad = g
+        metrics["grad_norm/model"] = apply_update(self.optimizers["model"], None)
+        return {**metrics, **more}
+
+
+class BiSMUnrolled(BiSM):
+    """BiSM by gradient unrolling (Algorithm 1, Eq. 12-15).
+
+    From φ_K (a constant in θ), N differentiable updates φⁿ = φⁿ⁻¹ − α∂G/∂φ (``unroll="sgd"``,
+    Eq. 13) or steps of a differentiable copy of the posterior's Adam (``unroll="adam"``, the
+    released code's choice); θ follows ∂J_Bi(θ, φ_N(θ))/∂θ. N = 0 is the partial derivative
+    at φ_K. The unrolled iterates are thrown away: φ keeps its value after the K real steps.
+    """
+
+    def __init__(self, parts: Parts, inner_steps: int, unroll_steps: int, unroll: str, inner_lr: float):
+        super().__init__(parts, inner_steps)
+        self.unroll_steps, self.unroll, self.inner_lr = unroll_steps, unroll, inner_lr
+
+    def _update_rule(self) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
+        if self.unroll == "adam":
+            return DifferentiableAdam.from_optimizer(self.optimizers["posterior"], list(self.phi.values())).step
+        return functools.partial(sgd_step, lr=self.inner_lr)
+
+    def unrolled(self, x: Tensor) -> tuple[dict[str, Tensor], float | None]:
+        """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ."""
+        params, lower_at_start = self.phi, None
+        update = self._update_rule()
+        for n in range(self.unroll_steps):
+            lower = self.functional.call(params, self.lower, x) if n else self.lower(x)
+            if n == 0:
+                lower_at_start = float(lower.detach())
+            params = update(params, grads_or_zeros(lower, list(params.values()), create_graph=True))
+        return params, lower_at_start
+
+    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
+        """dJ_Bi(θ, φ_N(θ))/dθ (Eq. 14) at the current φ."""
+        params, lower = self.unrolled(x)
+        upper = self.functional.call(params, self.upper, x, context) if self.unroll_steps else self.upper(x, context)
+        metrics = {"loss": float(upper.detach())}
+        if lower is not None:
+            metrics["lower_loss"] = lower
+        return grads_or_zeros(upper, self.theta), metrics
+
+
+class BiSMImplicit(BiSM):
+    """BiSM with the implicit-function-theorem hypergradient at φ_K.
+
+    dJ/dθ = ∂_θJ − ∂²_θφG · w with (∂²_φφG + damping·I) w = ∂_φJ, solved by conjugate gradient
+    or a truncated Neumann series on Hessian-vector products (double backward over φ).
+    Exact when φ_K is a stationary point of G and the solve converges.
+    """
+
+    def __init__(self, parts: Parts, inner_steps: int, solve: Callable[..., Any]):
+        super().__init__(parts, inner_steps)
+        self.solve = solve
+
+    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
+        """dJ_Bi(θ, φ*(θ))/dθ by the implicit function theorem, at the current φ."""
+        phi = list(self.phi.values())
+        lower = self.lower(x)
+        grad_phi = grads_or_zeros(lower, phi, create_graph=True)
+        upper = self.upper(x, context)
+        partial = grads_or_zeros(upper, self.theta + phi)
+        d_theta, d_phi = partial[: len(self.theta)], partial[len(self.theta) :]
+        w, info = self.solve(lambda vec: flat(hvp(grad_phi, phi, unflat(vec, phi))), flat(d_phi))
+        mixed = hvp(grad_phi, self.theta, unflat(w, phi))
+        metrics = {
+            "loss": float(upper.detach()),
+            "lower_loss": float(lower.detach()),
+            "solver_iterations": float(info.iterations),
+            "solver_residual": info.residual,
+        }
+        return [a - b for a, b in zip(d_theta, mixed)], metrics
+
+
+# ---- configs and factories -----------------------------------------------------------------
+
+
+@attrs.frozen
+class UnrolledConfig:
+    inner_steps: int = option(5, "K: real posterior updates on the lower level per batch (model frozen)", positive)
+    unroll_steps: int = option(5, "N: differentiable lower-level updates from φ_K; 0 = partial derivative at φ_K", non_negative)
+    unroll: Literal["sgd", "adam"] = option("sgd", "unrolled update: 'sgd' (Eq. 13, step inner_lr) or 'adam' (copy of the posterior's Adam)")
+    inner_lr: float = option(0.1, "step α of the 'sgd' unrolled update; it contracts for α < 2/λ_max(∂²_φφG)", positive)
+
+
+def build_unrolled(cfg: UnrolledConfig, parts: Parts) -> BiSMUnrolled:
+    """BiSM with K real lower-level steps and N unrolled differentiable ones (Algorithm 1)."""
+    estimator = BiSMUnrolled(parts, cfg.inner_steps, cfg.unroll_steps, cfg.unroll, cfg.inner_lr)
+    if cfg.unroll == "adam" and not isinstance(estimator.optimizers["posterior"], torch.optim.Adam):
+        raise ConfigError("estimator", "unroll", "'adam' copies the posterior's optimizer: set [optim.posterior] kind = \"adam\"")
+    return estimator
+
+
+@attrs.frozen
+class ImplicitConfig:
+    inner_steps: int = option(5, "K: real posterior updates on the lower level per batch (model frozen)", positive)
+    solver: Literal["cg", "neumann"] = option("cg", "linear solver for (∂²_φφG + damping·I) w = ∂_φJ")
+    solver_steps: int = option(10, "maximum solver iterations (Hessian-vector products)", positive)
+    tolerance: float = option(1e-4, "stop when the relative residual (CG) or Neumann term falls below this", non_negative)
+    damping: float = option(1e-3, "added to the Hessian's diagonal", non_negative)
+    neumann_step: float = option(0.1, "step of the Neumann series; needs step·λ_max(H) < 2", positive)
+
+
+def build_implicit(cfg: ImplicitConfig, parts: Parts) -> BiSMImplicit:
+    """BiSM with the implicit-function-theorem hypergradient (CG or Neumann on Hessian-vector products)."""
+    if cfg.solver == "cg":
+        solve = functools.partial(conjugate_gradient, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping)
+    else:
+        solve = functools.partial(
+            neumann, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping, step=cfg.neumann_step
+        )
+    return BiSMImplicit(parts, cfg.inner_steps, solve)
+
+
+@hookimpl
+def register_estimators(register):
+    register("bism-unrolled", build_unrolled, UnrolledConfig)
+    register("bism-implicit", build_implicit, ImplicitConfig)
+
+
+@hookimpl
+def register_evaluators(register):
+    register("gradient-bias", build_gradient_bias, GradientBiasConfig)

@@ -1,0 +1,238 @@
+"""Variational posteriors q(h|v; φ): Bernoulli (binary-concrete relaxed) and Gaussian (MLP, conv)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eblvm_core.config import option, positive
+from eblvm_core.contracts import Parts, Posterior
+from eblvm_core.errors import ConfigError
+from eblvm_core.hookspecs import hookimpl
+
+Activation = Literal["elu", "relu", "softplus", "tanh", "silu"]
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "elu": nn.ELU,
+    "relu": nn.ReLU,
+    "softplus": nn.Softplus,
+    "tanh": nn.Tanh,
+    "silu": nn.SiLU,
+}
+LOG_2PI = math.log(2 * math.pi)
+
+
+def mlp(n_in: int, hidden: Sequence[int], n_out: int, activation: str) -> nn.Sequential:
+    """Linear layers n_in -> *hidden -> n_out with ``activation`` between them."""
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [nn.Linear(n_in, width), ACTIVATIONS[activation]()]
+        n_in = width
+    layers.append(nn.Linear(n_in, n_out))
+    return nn.Sequential(*layers)
+
+
+def relaxed_bernoulli(logits: Tensor, u: Tensor, temperature: float) -> Tensor:
+    """Binary-concrete sample sigmoid((l + log u − log(1−u)) / T) for uniform u, broadcast over logits."""
+    return torch.sigmoid((logits + torch.logit(u, eps=1e-6)) / temperature)
+
+
+def latent_dim(parts: Parts, kind: str) -> int:
+    """m from the model's latent spec; a ConfigError on [posterior] kind if the latent is not ``kind``."""
+    model = parts.need("model", "posterior")
+    latent = model.latent
+    if latent is None:
+        raise ConfigError("posterior", "kind", f"model '{type(model).__name__}' has no latent variable to infer")
+    if latent.kind != kind:
+        raise ConfigError(
+            "posterior", "kind", f"a {kind} posterior cannot approximate the model's {latent.kind} latent variable"
+        )
+    return latent.dim
+
+
+# ---- Bernoulli -----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BernoulliConfig:
+    hidden: list[int] = option([], "hidden widths of the logit net; [] is linear (the exact GRBM posterior is then representable)")
+    activation: Activation = option("elu", "activation between hidden layers")
+    temperature: float = option(0.1, "binary-concrete (Gumbel-softmax) temperature of rsample", positive)
+    learn_scale: bool = option(False, "multiply the logits by a learned exp(s), so their scale can grow fast (a GRBM's posterior logits grow as 1/σ)")
+
+
+class BernoulliPosterior(Posterior):
+    """q(h|v) = Π_j Bernoulli(h_j; sigmoid(l_j(v))), logits from a linear map or an MLP.
+
+    ``rsample`` returns binary-concrete relaxed samples in (0, 1) at ``temperature``;
+    ``log_prob`` is the Bernoulli log-probability Σ_j h_j l_j − softplus(l_j), also for
+    relaxed h.
+    """
+
+    def __init__(self, n_visible: int, n_latent: int, hidden: Sequence[int] = (), activation: str = "elu",
+                 temperature: float = 0.1, learn_scale: bool = False):
+        super().__init__()
+        self.net = mlp(n_visible, hidden, n_latent, activation)
+        self.temperature = temperature
+        self.log_scale = nn.Parameter(torch.zeros(())) if learn_scale else None
+
+    def logits(self, v: Tensor) -> Tensor:
+        """v (B, ...) -> logits (B, m)."""
+        logits = self.net(v.flatten(1))
+        return logits if self.log_scale is None else logits * self.log_scale.exp()
+
+    def _sample(self, logits: Tensor, n: int) -> Tensor:
+        u = torch.rand((n, *logits.shape), dtype=logits.dtype, device=logits.device)
+        return relaxed_bernoulli(logits, u, self.temperature)
+
+    @staticmethod
+    def _log_prob(h: Tensor, logits: Tensor) -> Tensor:
+        return (h * logits - F.softplus(logits)).sum(-1)
+
+    def rsample(self, v: Tensor, n: int = 1) -> Tensor:
+        """Relaxed samples (n, B, m) in (0, 1), differentiable in φ."""
+        return self._sample(self.logits(v), n)
+
+    def sample(self, v: Tensor, n: int = 1) -> Tensor:
+        """Exact binary samples (n, B, m), not differentiable."""
+        with torch.no_grad():
+            probs = torch.sigmoid(self.logits(v))
+            return torch.bernoulli(probs.expand(n, *probs.shape))
+
+    def log_prob(self, h: Tensor, v: Tensor) -> Tensor:
+        """h (..., B, m) -> (..., B)."""
+        return self._log_prob(h, self.logits(v))
+
+    def rsample_and_log_prob(self, v: Tensor, n: int = 1) -> tuple[Tensor, Tensor]:
+        """Relaxed samples (n, B, m) and their log-probabilities (n, B), one logit evaluation."""
+        logits = self.logits(v)
+        h = self._sample(logits, n)
+        return h, self._log_prob(h, logits)
+
+    def mean(self, v: Tensor) -> Tensor:
+        """sigmoid(logits) (B, m)."""
+        return torch.sigmoid(self.logits(v))
+
+
+def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
+    """Bernoulli q(h|v) with a linear or MLP logit net, relaxed by binary concrete (Gumbel-softmax)."""
+    m = latent_dim(parts, "bernoulli")
+    return BernoulliPosterior(parts.need("data", "posterior").dim, m, cfg.hidden, cfg.activation, cfg.temperature,
+                              cfg.learn_scale)
+
+
+# ---- Gaussian ------------------------------------------------------------------------------
+
+
+class GaussianPosterior(Posterior):
+    """q(h|v) = N(μ(v), diag σ(v)²): ``trunk`` maps v to features, one linear ``head`` to [μ, log σ]."""
+
+    def __init__(self, trunk: nn.Module, n_features: int, n_latent: int):
+        super().__init__()
+        self.trunk = trunk
+        self.head = nn.Linear(n_features, 2 * n_latent)
+
+    def params(self, v: Tensor) -> tuple[Tensor, Tensor]:
+        """v (B, ...) -> (μ, log σ), each (B, m)."""
+        return self.head(self.trunk(v)).chunk(2, dim=-1)
+
+    @staticmethod
+    def _sample(mu: Tensor, log_std: Tensor, n: int) -> Tensor:
+        eps = torch.randn((n, *mu.shape), dtype=mu.dtype, device=mu.device)
+        return mu + log_std.exp() * eps
+
+    @staticmethod
+    def _log_prob(h: Tensor, mu: Tensor, log_std: Tensor) -> Tensor:
+        z = (h - mu) * torch.exp(-log_std)
+        return -(0.5 * z * z + log_std).sum(-1) - 0.5 * LOG_2PI * mu.shape[-1]
+
+    def rsample(self, v: Tensor, n: int = 1) -> Tensor:
+        """μ + σ·ε, ε ~ N(0, I): (n, B, m)."""
+        return self._sample(*self.params(v), n)
+
+    def log_prob(self, h: Tensor, v: Tensor) -> Tensor:
+        """h (..., B, m) -> (..., B)."""
+        return self._log_prob(h, *self.params(v))
+
+    def rsample_and_log_prob(self, v: Tensor, n: int = 1) -> tuple[Tensor, Tensor]:
+        """Samples (n, B, m) and their log-densities (n, B), one network evaluation; the
+        log-density is computed from h itself, so its ∇_h is exact."""
+        mu, log_std = self.params(v)
+        h = self._sample(mu, log_std, n)
+        return h, self._log_prob(h, mu, log_std)
+
+    def mean(self, v: Tensor) -> Tensor:
+        """μ(v) (B, m)."""
+        return self.params(v)[0]
+
+
+@attrs.frozen
+class GaussianConfig:
+    hidden: list[int] = option([256], "hidden widths of the MLP trunk; [] makes μ and log σ linear in v")
+    activation: Activation = option("elu", "activation between layers")
+
+
+def build_gaussian(cfg: GaussianConfig, parts: Parts) -> GaussianPosterior:
+    """Gaussian q(h|v) with an MLP trunk and linear mean and log-std heads."""
+    m = latent_dim(parts, "gaussian")
+    d = parts.need("data", "posterior").dim
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = d
+    for w in cfg.hidden:
+        layers += [nn.Linear(width, w), ACTIVATIONS[cfg.activation]()]
+        width = w
+    return GaussianPosterior(nn.Sequential(*layers), width, m)
+
+
+@attrs.frozen
+class GaussianConvConfig:
+    channels: int = option(32, "channels of the first conv layer (then 2x, 4x)", positive)
+    activation: Activation = option("elu", "activation between layers")
+    image_shape: list[int] | None = option(None, "[C, H, W] when the data is stored flat; else the data's shape")
+
+
+class ConvTrunk(nn.Module):
+    """Three conv layers (3x3 stride 1, 4x4 stride 2, 4x4 stride 2) on v reshaped to (B, C, H, W)."""
+
+    def __init__(self, image_shape: tuple[int, int, int], channels: int, activation: str):
+        super().__init__()
+        self.image_shape = image_shape
+        act = ACTIVATIONS[activation]
+        c = channels
+        self.net = nn.Sequential(
+            nn.Conv2d(image_shape[0], c, 3, 1, 1), act(),
+            nn.Conv2d(c, 2 * c, 4, 2, 1), act(),
+            nn.Conv2d(2 * c, 4 * c, 4, 2, 1), act(),
+            nn.Flatten(),
+        )
+
+    def forward(self, v: Tensor) -> Tensor:
+        return self.net(v.reshape(v.shape[0], *self.image_shape))
+
+
+def build_gaussian_conv(cfg: GaussianConvConfig, parts: Parts) -> GaussianPosterior:
+    """Gaussian q(h|v) for images: a 3-layer conv trunk and linear mean and log-std heads."""
+    m = latent_dim(parts, "gaussian")
+    data = parts.need("data", "posterior")
+    shape = tuple(cfg.image_shape) if cfg.image_shape is not None else data.shape
+    if len(shape) == 2:
+        shape = (1, *shape)
+    if len(shape) != 3 or math.prod(shape) != data.dim:
+        raise ConfigError(
+            "posterior", "image_shape", f"need [C, H, W] with C·H·W = {data.dim} (data shape {data.shape}), got {list(shape)}"
+        )
+    trunk = ConvTrunk(shape, cfg.channels, cfg.activation)
+    with torch.no_grad():
+        n_features = trunk(torch.zeros(1, data.dim)).shape[1]
+    return GaussianPosterior(trunk, n_features, m)
+
+
+@hookimpl
+def register_posteriors(register):
+    register("bernoulli", build_bernoulli, BernoulliConfig)
+    register("gaussian", build_gaussian, GaussianConfig)
+    register("gaussian-conv", build_gaussian_conv, GaussianConvConfig)
