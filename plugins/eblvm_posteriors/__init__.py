@@ -62,7 +62,6 @@ class BernoulliConfig:
     hidden: list[int] = option([], "hidden widths of the logit net; [] is linear (the exact GRBM posterior is then representable)")
     activation: Activation = option("elu", "activation between hidden layers")
     temperature: float = option(0.1, "binary-concrete (Gumbel-softmax) temperature of rsample", positive)
-    learn_scale: bool = option(False, "multiply the logits by a learned exp(s), so their scale can grow fast (a GRBM's posterior logits grow as 1/σ)")
 
 
 class BernoulliPosterior(Posterior):
@@ -74,16 +73,14 @@ class BernoulliPosterior(Posterior):
     """
 
     def __init__(self, n_visible: int, n_latent: int, hidden: Sequence[int] = (), activation: str = "elu",
-                 temperature: float = 0.1, learn_scale: bool = False):
+                 temperature: float = 0.1):
         super().__init__()
         self.net = mlp(n_visible, hidden, n_latent, activation)
         self.temperature = temperature
-        self.log_scale = nn.Parameter(torch.zeros(())) if learn_scale else None
 
     def logits(self, v: Tensor) -> Tensor:
         """v (B, ...) -> logits (B, m)."""
-        logits = self.net(v.flatten(1))
-        return logits if self.log_scale is None else logits * self.log_scale.exp()
+        return self.net(v.flatten(1))
 
     def _sample(self, logits: Tensor, n: int) -> Tensor:
         u = torch.rand((n, *logits.shape), dtype=logits.dtype, device=logits.device)
@@ -121,8 +118,7 @@ class BernoulliPosterior(Posterior):
 def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
     """Bernoulli q(h|v) with a linear or MLP logit net, relaxed by binary concrete (Gumbel-softmax)."""
     m = latent_dim(parts, "bernoulli")
-    return BernoulliPosterior(parts.need("data", "posterior").dim, m, cfg.hidden, cfg.activation, cfg.temperature,
-                              cfg.learn_scale)
+    return BernoulliPosterior(parts.need("data", "posterior").dim, m, cfg.hidden, cfg.activation, cfg.temperature)
 
 
 # ---- Gaussian ------------------------------------------------------------------------------
