@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from eblvm_core.optim import apply_update
+
 
 class _Call(nn.Module):
     """Holds ``module`` so that ``functional_call`` can swap its parameters around ``fn``."""
@@ -210,3 +212,16 @@ def neumann(
         if size <= tol:
             break
     return step * total, SolveInfo(k, size)
+
+
+def fit_posterior(divergence: Any, model: nn.Module, posterior: nn.Module, optimizer: torch.optim.Optimizer,
+                  x: Tensor, steps: int) -> dict[str, float]:
+    """``steps`` real updates of φ on the lower level G = mean D(q(h|x) ‖ p(h|x)); θ is not touched.
+
+    Returns the last ``lower_loss`` and ``grad_norm/posterior`` (empty when steps = 0).
+    """
+    metrics: dict[str, float] = {}
+    for _ in range(steps):
+        lower = divergence(model, posterior, x).mean()
+        metrics = {"lower_loss": float(lower.detach()), "grad_norm/posterior": apply_update(optimizer, lower)}
+    return metrics

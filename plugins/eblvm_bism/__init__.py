@@ -19,6 +19,7 @@ from eblvm_core.bilevel import (
     DifferentiableAdam,
     Functional,
     conjugate_gradient,
+    fit_posterior,
     flat,
     grads_or_zeros,
     hvp,
@@ -84,10 +85,7 @@ class BiSM(Estimator):
 
     def fit_posterior(self, x: Tensor) -> dict[str, float]:
         """K real updates of φ on G with the posterior's optimizer; θ gets no gradient."""
-        for _ in range(self.inner_steps):
-            lower = self.lower(x)
-            norm = apply_update(self.optimizers["posterior"], lower)
-        return {"lower_loss": float(lower.detach()), "grad_norm/posterior": norm}
+        return fit_posterior(self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.inner_steps)
 
     def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
         raise NotImplementedError

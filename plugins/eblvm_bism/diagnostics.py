@@ -59,8 +59,7 @@ class GradientBias:
         for k in cfg.inner_steps:
             local = attrs.evolve(parts, posterior=copy.deepcopy(parts.posterior))
             estimator = BiSMUnrolled(local, k, 0, cfg.unroll, cfg.inner_lr)
-            if k:
-                estimator.fit_posterior(x)
+            estimator.fit_posterior(x)
             for n in cfg.unroll_steps:
                 estimator.unroll_steps = n
                 mean = torch.zeros_like(reference)

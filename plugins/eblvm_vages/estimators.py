@@ -15,6 +15,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from eblvm_core.bilevel import fit_posterior
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreObjective
 from eblvm_core.errors import ConfigError
@@ -72,12 +73,8 @@ class VariationalScore(Estimator):
 
     def fit_posterior(self, x: Tensor) -> dict[str, float]:
         """K updates of φ on the lower-level divergence at the points x; θ gets no gradient."""
-        metrics: dict[str, float] = {}
-        for _ in range(self.cfg.inner_steps):
-            lower = self.divergence(self.model, self.posterior, x).mean()
-            metrics["grad_norm/posterior"] = apply_update(self.optimizers["posterior"], lower)
-            metrics["lower_loss"] = float(lower.detach())
-        return metrics
+        return fit_posterior(self.divergence, self.model, self.posterior, self.optimizers["posterior"], x,
+                             self.cfg.inner_steps)
 
     def posterior_samples(self, x: Tensor) -> Tensor:
         """h_1..h_L ~ q(h|x) (L, B, m), exact draws, optionally Langevin-corrected; constants."""
