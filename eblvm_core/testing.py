@@ -160,11 +160,12 @@ def linear_gaussian_setup(d: int = 3, m: int = 2, n: int = 16, seed: int = 0) ->
     return _exact("linear-gaussian", model, posterior, parts, n)
 
 
-def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1) -> Exact:
+def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1,
+                    coupling: str = "scaled") -> Exact:
     """A Gaussian RBM (d visible, m Bernoulli hidden units) with q = p(h|v), float64.
 
-    q is the linear ``bernoulli`` posterior with logits set to c + Wᵀv/σ, the exact GRBM
-    posterior. Because E is linear in h, log q(h|v) + E(v, h) = F(v) for every h, also for the
+    q is the linear ``bernoulli`` posterior with logits set to c + Uᵀv, the exact GRBM
+    posterior (U = W/σ for the ``scaled`` coupling, W for ``plain``). Because E is linear in h, log q(h|v) + E(v, h) = F(v) for every h, also for the
     relaxed samples of ``rsample``.
     """
     g = torch.Generator().manual_seed(seed)
@@ -172,14 +173,14 @@ def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperat
     parts = Parts(dtype=F64, data=data)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = make("models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8).double()
+        model = make("models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8, coupling=coupling).double()
         with torch.no_grad():
             model.b.copy_(0.5 * torch.randn(d, generator=g, dtype=F64))
             model.c.copy_(0.5 * torch.randn(m, generator=g, dtype=F64))
         parts.model = model
         posterior = make("posteriors", "bernoulli", parts, hidden=[], temperature=temperature).double()
     with torch.no_grad():
-        posterior.net[0].weight.copy_((model.W / model.sigma).T)
+        posterior.net[0].weight.copy_(model.coupling_weight().T)
         posterior.net[0].bias.copy_(model.c)
     assert torch.allclose(posterior.logits(data.train), model.hidden_logits(data.train)), "exact GRBM posterior not set"
     parts.posterior = posterior

@@ -45,15 +45,15 @@ class FixedNoiseBernoulli(BernoulliPosterior):
 
 
 def exact_grbm_posterior(model: GRBM, posterior: BernoulliPosterior) -> None:
-    """Set the linear logits to the GRBM's p(h_j = 1|v) logits c + Wᵀv/σ."""
+    """Set the linear logits to the GRBM's p(h_j = 1|v) logits c + Uᵀv (U = W/σ or W)."""
     with torch.no_grad():
-        posterior.net[0].weight.copy_(model.W.T / model.sigma)
+        posterior.net[0].weight.copy_(model.coupling_weight().T)
         posterior.net[0].bias.copy_(model.c)
 
 
-def small_grbm(d: int = 3, m: int = 4, seed: int = 0) -> GRBM:
+def small_grbm(d: int = 3, m: int = 4, seed: int = 0, coupling: str = "scaled") -> GRBM:
     torch.manual_seed(seed)
-    model = GRBM(d, m, init_weight_std=0.7).double()
+    model = GRBM(d, m, init_weight_std=0.7, coupling=coupling).double()
     with torch.no_grad():
         model.b.normal_(0, 0.5)
         model.c.normal_(0, 0.5)
@@ -71,8 +71,9 @@ def score_at(model, posterior, v: torch.Tensor, h: torch.Tensor) -> torch.Tensor
 # ---- Theorem 1 (a): the modified score on a GRBM with the exact posterior ------------------
 
 
-def test_modified_score_is_the_marginal_score_for_every_h_on_a_grbm():
-    model = small_grbm()
+@pytest.mark.parametrize("coupling", ["scaled", "plain"])
+def test_modified_score_is_the_marginal_score_for_every_h_on_a_grbm(coupling):
+    model = small_grbm(coupling=coupling)
     posterior = BernoulliPosterior(3, 4).double()
     exact_grbm_posterior(model, posterior)
     v = torch.randn(5, 3, dtype=torch.float64)

@@ -106,7 +106,7 @@ def test_kl_on_a_grbm_with_a_relaxed_bernoulli_posterior(kl):
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
     # with q the exact posterior, log q(h|v) + E(v,h) is F(v) for every relaxed h too
     with torch.no_grad():
-        posterior.net[0].weight.copy_(model.W.T / model.sigma)
+        posterior.net[0].weight.copy_(model.coupling_weight().T)
         posterior.net[0].bias.copy_(model.c)
     torch.testing.assert_close(kl(model, posterior, v), model.free_energy(v), rtol=1e-5, atol=1e-5)
 

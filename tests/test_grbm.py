@@ -9,18 +9,22 @@ from eblvm_core.contracts import exact_score
 from eblvm_grbm.model import GRBM, all_binary
 
 
-def random_grbm(d: int, m: int, sigma: float = 0.7, seed: int = 0) -> GRBM:
+COUPLINGS = pytest.mark.parametrize("coupling", ["scaled", "plain"])
+
+
+def random_grbm(d: int, m: int, sigma: float = 0.7, seed: int = 0, coupling: str = "scaled") -> GRBM:
     """A float64 GRBM with every parameter away from its initial value."""
     torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=sigma, init_weight_std=0.8).double()
+    model = GRBM(d, m, init_sigma=sigma, init_weight_std=0.8, coupling=coupling).double()
     with torch.no_grad():
         model.b.normal_(0.0, 0.5)
         model.c.normal_(0.0, 0.5)
     return model
 
 
-def test_free_energy_is_minus_logsumexp_over_enumerated_hidden_states():
-    model = random_grbm(d=3, m=4)
+@COUPLINGS
+def test_free_energy_is_minus_logsumexp_over_enumerated_hidden_states(coupling):
+    model = random_grbm(d=3, m=4, coupling=coupling)
     v = torch.randn(7, 3, dtype=torch.float64)
     hs = all_binary(4, model.W)  # (16, 4)
     energies = torch.stack([model.energy(v, h.expand(len(v), -1)) for h in hs])  # (16, B)
@@ -28,9 +32,10 @@ def test_free_energy_is_minus_logsumexp_over_enumerated_hidden_states():
     torch.testing.assert_close(model.free_energy(v), expected, rtol=0, atol=1e-12)
 
 
-def test_exact_likelihood_integrates_to_one_on_a_fine_grid():
-    model = random_grbm(d=2, m=3, sigma=0.6)
-    # modes sit at b + σWh; ±8σ beyond the extreme modes holds all but ~1e-15 of the mass
+@COUPLINGS
+def test_exact_likelihood_integrates_to_one_on_a_fine_grid(coupling):
+    model = random_grbm(d=2, m=3, sigma=0.6, coupling=coupling)
+    # modes sit at b + σ²Uh; ±8σ beyond the extreme modes holds all but ~1e-15 of the mass
     modes = model.visible_mean(all_binary(3, model.W)).detach()
     low, high = modes.min(0).values - 8 * model.sigma.item(), modes.max(0).values + 8 * model.sigma.item()
     n = 400
@@ -44,11 +49,12 @@ def test_exact_likelihood_integrates_to_one_on_a_fine_grid():
     assert float(density.sum() * cell) == pytest.approx(1.0, abs=1e-9)
 
 
-def test_exact_score_matches_closed_form_marginal_score():
-    model = random_grbm(d=3, m=5)
+@pytest.mark.parametrize("coupling, scale", [("scaled", lambda sigma: 1 / sigma), ("plain", lambda sigma: 1.0)])
+def test_exact_score_matches_closed_form_marginal_score(coupling, scale):
+    model = random_grbm(d=3, m=5, coupling=coupling)
     v = torch.randn(11, 3, dtype=torch.float64)
-    sigma = model.sigma
-    closed = -(v - model.b) / sigma**2 + torch.sigmoid(model.c + v @ model.W / sigma) @ model.W.T / sigma
+    sigma, s = model.sigma, scale(model.sigma)  # coupling −s·vᵀWh
+    closed = -(v - model.b) / sigma**2 + torch.sigmoid(model.c + s * v @ model.W) @ model.W.T * s
     torch.testing.assert_close(exact_score(model, v), closed, rtol=0, atol=1e-12)
 
 
@@ -67,3 +73,8 @@ def test_log_partition_refuses_too_many_hidden_units():
         model.log_partition()
     with pytest.raises(ValueError, match="exceeds the limit 4"):
         GRBM(2, 5).log_partition(max_hidden=4)
+
+
+def test_unknown_coupling_is_refused():
+    with pytest.raises(ValueError, match="coupling must be"):
+        GRBM(2, 3, coupling="tied")

@@ -21,10 +21,11 @@ from eblvm_grbm.gibbs import GibbsConfig, GibbsSampler, gibbs_chain
 from eblvm_grbm.model import GRBM, all_binary
 
 
-def random_grbm(d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0) -> GRBM:
+def random_grbm(d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0,
+                coupling: str = "scaled") -> GRBM:
     """A float64 GRBM with every parameter away from its initial value."""
     torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std).double()
+    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std, coupling=coupling).double()
     with torch.no_grad():
         model.b.normal_(0.0, 0.5)
         model.c.normal_(0.0, 0.5)
@@ -34,13 +35,14 @@ def random_grbm(d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, see
 def hidden_marginal(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
     """All hidden states (2^m, m) and their exact marginal p(h) (2^m,), v integrated out."""
     hs = all_binary(model.W.shape[1], model.W)
-    wh = hs @ model.W.T
-    logits = hs @ model.c + wh @ model.b / model.sigma + 0.5 * (wh**2).sum(-1)
+    scale = 1 / model.sigma if model.coupling == "scaled" else 1.0  # coupling −scale·vᵀWh
+    wh = scale * hs @ model.W.T
+    logits = hs @ model.c + wh @ model.b + 0.5 * model.sigma**2 * (wh**2).sum(-1)
     return hs, torch.softmax(logits, 0).detach()
 
 
 def exact_samples(model: GRBM, n: int) -> torch.Tensor:
-    """n exact draws of v: h ~ p(h) by enumeration, then v ~ N(b + σWh, σ²I)."""
+    """n exact draws of v: h ~ p(h) by enumeration, then v ~ p(v | h), a Gaussian."""
     with torch.no_grad():
         hs, p_h = hidden_marginal(model)
         h = hs[torch.multinomial(p_h, n, replacement=True)]
@@ -70,8 +72,9 @@ def assert_moments_match(model: GRBM, v: torch.Tensor, n_sigma: float = 5.0) -> 
 # ---- Gibbs -----------------------------------------------------------------------------------
 
 
-def test_gibbs_sweep_leaves_the_exact_distribution_invariant():
-    model = random_grbm(d=2, m=3)
+@pytest.mark.parametrize("coupling", ["scaled", "plain"])
+def test_gibbs_sweep_leaves_the_exact_distribution_invariant(coupling):
+    model = random_grbm(d=2, m=3, coupling=coupling)
     torch.manual_seed(1)
     start = exact_samples(model, 100_000)
     assert_moments_match(model, start)
@@ -107,9 +110,9 @@ def test_base_log_partition_is_the_enumerated_value_at_w_zero():
     torch.testing.assert_close(base_log_partition(model), model.log_partition(), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_ais_agrees_with_enumeration_within_its_reported_error(seed):
-    model = random_grbm(d=4, m=6, sigma=0.6, weight_std=0.7, seed=seed)
+@pytest.mark.parametrize("seed, coupling", [(0, "scaled"), (1, "scaled"), (2, "plain")])
+def test_ais_agrees_with_enumeration_within_its_reported_error(seed, coupling):
+    model = random_grbm(d=4, m=6, sigma=0.6, weight_std=0.7, seed=seed, coupling=coupling)
     result = ais_log_partition(model, n_chains=300, n_temps=300, generator=torch.Generator().manual_seed(seed))
     exact = float(model.log_partition().detach())
     assert 0 < result.log_z_stderr < 0.1

@@ -159,7 +159,7 @@ def set_exact_posterior(model: GRBM, posterior: nn.Module) -> None:
     """Linear logits c + Wᵀv/σ: q(h|v) = p(h|v)."""
     (linear,) = posterior.net
     with torch.no_grad():
-        linear.weight.copy_(model.W.T / model.sigma)
+        linear.weight.copy_(model.coupling_weight().T)
         linear.bias.copy_(model.c)
 
 

@@ -40,7 +40,7 @@ def exact_posterior(model: GRBM) -> BernoulliPosterior:
     q = BernoulliPosterior(d, m).double()
     (linear,) = q.net
     with torch.no_grad():
-        linear.weight.copy_(model.W.T / model.sigma)
+        linear.weight.copy_(model.coupling_weight().T)
         linear.bias.copy_(model.c)
     return q
 

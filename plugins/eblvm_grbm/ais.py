@@ -58,7 +58,7 @@ def ais_log_partition(model: GRBM, n_chains: int, n_temps: int, generator: torch
         v = model.b + model.sigma * noise  # exact draws of the β = 0 marginal
         log_w = torch.zeros(n_chains, dtype=torch.float64, device=model.W.device)  # summed over n_temps terms
         for prev, beta in zip(betas[:-1], betas[1:]):
-            a = v @ model.W / model.sigma  # (n, m); the quadratic term of F_β cancels in the difference
+            a = v @ model.coupling_weight()  # (n, m); the quadratic term of F_β cancels in the difference
             log_w += (F.softplus(model.c + beta * a) - F.softplus(model.c + prev * a)).sum(-1).double()
             if beta < 1.0:  # one Gibbs sweep at β (its h-step reuses a)
                 h = torch.bernoulli(torch.sigmoid(model.c + beta * a), generator=generator)

@@ -1,9 +1,10 @@
 """Block Gibbs sampling for the GRBM (v → h → v), also at an inverse temperature β of the
 coupling, as AIS needs.
 
-At coupling β the energy is E_β(v, h) = ‖v − b‖²/(2σ²) − cᵀh − β vᵀWh/σ, so
-p_β(h_j = 1 | v) = sigmoid(c_j + β(Wᵀv)_j/σ) and p_β(v | h) = N(b + βσWh, σ²I); β = 1 is the
-GRBM itself and β = 0 the independent base model used by AIS.
+At coupling β the energy is E_β(v, h) = ‖v − b‖²/(2σ²) − cᵀh − β vᵀUh (U the model's
+coupling weight, W/σ or W), so p_β(h_j = 1 | v) = sigmoid(c_j + β(Uᵀv)_j) and
+p_β(v | h) = N(b + βσ²Uh, σ²I); β = 1 is the GRBM itself and β = 0 the independent base model
+used by AIS.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from eblvm_grbm.model import GRBM
 
 def sample_hidden(model: GRBM, v: Tensor, beta: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
     """h ~ p_β(h | v): v (B, d) -> h (B, m) in {0, 1}."""
-    probs = torch.sigmoid(model.c + beta * (v @ model.W) / model.sigma)
+    probs = torch.sigmoid(model.c + beta * (v @ model.coupling_weight()))
     return torch.bernoulli(probs, generator=generator)
 
 
 def sample_visible(model: GRBM, h: Tensor, beta: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """v ~ p_β(v | h) = N(b + βσWh, σ²I): h (B, m) -> v (B, d)."""
-    mean = model.b + beta * model.sigma * (h @ model.W.T)
+    """v ~ p_β(v | h) = N(b + βσ²Uh, σ²I): h (B, m) -> v (B, d)."""
+    mean = model.b + beta * model.sigma**2 * (h @ model.coupling_weight().T)
     noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
     return mean + model.sigma * noise
 

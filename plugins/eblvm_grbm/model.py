@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Literal
 
 import attrs
 import torch
@@ -20,19 +21,26 @@ class GRBMConfig:
     init_sigma: float = option(1.0, "initial σ (log σ is learned)", positive)
     init_weight_std: float = option(0.1, "standard deviation of the initial W entries", positive)
     learn_sigma: bool = option(True, "learn log σ (else it stays at init_sigma)")
+    coupling: Literal["scaled", "plain"] = option(
+        "scaled", "'scaled': −vᵀWh/σ (the BiSM paper's formula); 'plain': −vᵀWh (the papers' released code)"
+    )
 
 
 class GRBM(EnergyModel):
-    """E(v, h) = ‖v − b‖²/(2σ²) − cᵀh − (1/σ) vᵀWh, v ∈ R^d, h ∈ {0,1}^m.
+    """E(v, h) = ‖v − b‖²/(2σ²) − cᵀh − vᵀUh, v ∈ R^d, h ∈ {0,1}^m, with the coupling U = W/σ
+    (``coupling="scaled"``, the paper's formula) or U = W (``"plain"``, the released code's).
 
-    Parameters: W (d, m), b (d,), c (m,), log_sigma (scalar). The 1/σ coupling follows the
-    paper; p(v|h) = N(b + σWh, σ²I) and p(h_j = 1 | v) = sigmoid(c_j + (Wᵀv)_j / σ).
+    Parameters: W (d, m), b (d,), c (m,), log_sigma (scalar). Then p(h_j = 1 | v) =
+    sigmoid(c_j + (Uᵀv)_j) and p(v | h) = N(b + σ²Uh, σ²I): b + σWh when scaled.
     """
 
     def __init__(self, n_visible: int, n_hidden: int, init_sigma: float = 1.0, init_weight_std: float = 0.1,
-                 learn_sigma: bool = True):
+                 learn_sigma: bool = True, coupling: str = "scaled"):
         super().__init__()
+        if coupling not in ("scaled", "plain"):
+            raise ValueError(f"coupling must be 'scaled' or 'plain', got {coupling!r}")
         self.latent = LatentSpec("bernoulli", n_hidden)
+        self.coupling = coupling
         self.W = nn.Parameter(torch.randn(n_visible, n_hidden) * init_weight_std)
         self.b = nn.Parameter(torch.zeros(n_visible))
         self.c = nn.Parameter(torch.zeros(n_hidden))
@@ -42,36 +50,39 @@ class GRBM(EnergyModel):
     def sigma(self) -> Tensor:
         return self.log_sigma.exp()
 
+    def coupling_weight(self) -> Tensor:
+        """U (d, m): W/σ when scaled, W when plain."""
+        return self.W * torch.exp(-self.log_sigma) if self.coupling == "scaled" else self.W
+
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
         """v (B, d), h (B, m) -> (B,)."""
-        sigma = self.sigma
-        quad = ((v - self.b) ** 2).sum(-1) / (2 * sigma**2)
-        return quad - h @ self.c - ((v @ self.W) * h).sum(-1) / sigma
+        quad = 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
+        return quad - (h * (self.c + v @ self.coupling_weight())).sum(-1)
 
     def hidden_logits(self, v: Tensor) -> Tensor:
-        """Logits of p(h_j = 1 | v): v (B, d) -> (B, m)."""
-        return self.c + v @ self.W / self.sigma
+        """Logits c + Uᵀv of p(h_j = 1 | v): v (B, d) -> (B, m)."""
+        return self.c + v @ self.coupling_weight()
 
     def free_energy(self, v: Tensor) -> Tensor:
-        """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Wᵀv)_j/σ): v (B, d) -> (B,)."""
-        quad = ((v - self.b) ** 2).sum(-1) / (2 * self.sigma**2)
+        """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, d) -> (B,)."""
+        quad = 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
         return quad - F.softplus(self.hidden_logits(v)).sum(-1)
 
     def visible_mean(self, h: Tensor) -> Tensor:
-        """Mean of p(v | h) = N(b + σWh, σ²I): h (B, m) -> (B, d)."""
-        return self.b + self.sigma * h @ self.W.T
+        """Mean b + σ²Uh of p(v | h): h (B, m) -> (B, d)."""
+        return self.b + self.sigma**2 * h @ self.coupling_weight().T
 
     def log_partition(self, max_hidden: int = 20) -> Tensor:
         """log Z by enumerating the 2^m hidden states (v integrated in closed form).
 
-        Z = Σ_h exp(cᵀh + bᵀWh/σ + ½‖Wh‖²) (2πσ²)^{d/2}. Refuses when m > max_hidden.
+        Z = Σ_h exp(cᵀh + bᵀUh + ½σ²‖Uh‖²) (2πσ²)^{d/2}. Refuses when m > max_hidden.
         """
         d, m = self.W.shape
         if m > max_hidden:
             raise ValueError(f"exact log Z enumerates 2^{m} hidden states; m={m} exceeds the limit {max_hidden}")
         hs = all_binary(m, self.W)
-        wh = hs @ self.W.T  # (2^m, d)
-        terms = hs @ self.c + wh @ self.b / self.sigma + 0.5 * (wh**2).sum(-1)
+        uh = hs @ self.coupling_weight().T  # (2^m, d)
+        terms = hs @ self.c + uh @ self.b + 0.5 * self.sigma**2 * (uh**2).sum(-1)
         return torch.logsumexp(terms, 0) + 0.5 * d * torch.log(2 * math.pi * self.sigma**2)
 
     def log_likelihood(self, v: Tensor, max_hidden: int = 20) -> Tensor:
@@ -85,6 +96,6 @@ def all_binary(m: int, like: Tensor) -> Tensor:
 
 
 def build_grbm(cfg: GRBMConfig, parts: Parts) -> GRBM:
-    """Gaussian RBM with Bernoulli hidden units and a learned σ."""
+    """Gaussian RBM with Bernoulli hidden units, a learned σ and the scaled (W/σ) or plain (W) coupling."""
     data = parts.need("data", "model")
-    return GRBM(data.dim, cfg.n_hidden, cfg.init_sigma, cfg.init_weight_std, cfg.learn_sigma)
+    return GRBM(data.dim, cfg.n_hidden, cfg.init_sigma, cfg.init_weight_std, cfg.learn_sigma, cfg.coupling)
