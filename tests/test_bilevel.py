@@ -127,6 +127,41 @@ def test_functional_call_swaps_parameters_without_touching_the_module():
         assert torch.equal(v, before[k])
 
 
+def test_functional_call_swaps_tied_parameters_together_and_restores_them_on_error():
+    first, second = nn.Linear(2, 2, bias=False).double(), nn.Linear(2, 2, bias=False).double()
+    second.weight = first.weight  # tied
+    net = nn.Sequential(first, nn.Tanh(), second)
+    f = Functional(net)
+    weight = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    out = f.call({"0.weight": weight}, net, x)
+    torch.testing.assert_close(out, torch.tanh(x @ weight.T) @ weight.T)
+    original = first.weight
+
+    def fails(_):
+        raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        f.call({"0.weight": weight}, fails, x)
+    assert first.weight is original and second.weight is original
+
+
+def test_functional_call_handles_parametrized_modules():
+    lin = nn.Linear(3, 3, bias=False).double()
+    torch.nn.utils.parametrize.register_parametrization(lin, "weight", Symmetric())
+    f = Functional(lin)
+    raw = torch.randn(3, 3, dtype=torch.float64)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    out = f.call({"parametrizations.weight.original": raw}, lin, x)
+    symmetric = raw.triu() + raw.triu(1).T
+    torch.testing.assert_close(out, x @ symmetric.T)
+
+
+class Symmetric(nn.Module):
+    def forward(self, x):
+        return x.triu() + x.triu(1).transpose(-1, -2)
+
+
 def test_sgd_step_is_differentiable():
     p = torch.randn(3, dtype=torch.float64, requires_grad=True)
     g = p**2
