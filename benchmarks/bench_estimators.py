@@ -1,6 +1,6 @@
 """Time one training iteration of each estimator, at checkerboard size and at Frey-face size.
 
-    python benchmarks/bench_estimators.py [--repeats 50] [--threads 1 2] [--out docs/benchmarks.md]
+    python benchmarks/bench_estimators.py [--repeats 50] [--threads 1 2] [--device cpu] [--out table.md]
 
 Each case builds the estimator from a bundled recipe (with overrides), warms up, then reports
 the median wall time of one ``estimator.step(batch)`` over ``--repeats`` steps, for each thread
@@ -57,19 +57,22 @@ def frey_stand_in(folder: Path) -> Path:
     return folder
 
 
-def time_step(recipe: Path, overrides: list[str], repeats: int, warmup: int) -> float:
-    """Median seconds of one estimator step on a fixed batch."""
+def time_step(recipe: Path, overrides: list[str], repeats: int, warmup: int, device: str = "cpu") -> float:
+    """Median seconds of one estimator step on a fixed batch (the device synchronised around it)."""
     spec = load_recipe(recipe, overrides + NO_EVAL)
     seed_everything(0)
-    built = build(spec, torch.device("cpu"))
+    built = build(spec, torch.device(device))
     estimator, data = built.parts.estimator, built.parts.data.train
     batch = data[: spec.run.batch_size]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(warmup):
         estimator.step(batch)
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         estimator.step(batch)
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -79,6 +82,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--frey-repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
     args = parser.parse_args()
 
@@ -91,7 +95,7 @@ def main() -> None:
             cells = []
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                ms = 1000 * time_step(ROOT / "recipes" / recipe, overrides, repeats, warmup=max(3, repeats // 10))
+                ms = 1000 * time_step(ROOT / "recipes" / recipe, overrides, repeats, max(3, repeats // 10), args.device)
                 cells.append(ms)
             rows.append((size, name, cells))
             print(f"{size:13s} {name:28s} " + "  ".join(f"{t}T {ms:8.2f} ms" for t, ms in zip(args.threads, cells)), flush=True)
@@ -100,7 +104,9 @@ def main() -> None:
         head = "| size | estimator | " + " | ".join(f"{t} thread{'s' * (t > 1)} (ms)" for t in args.threads) + " |"
         lines = [head, "|" + "---|" * (2 + len(args.threads))]
         lines += [f"| {s} | {n} | " + " | ".join(f"{ms:.2f}" for ms in c) + " |" for s, n, c in rows]
-        machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads max, torch {torch.__version__}"
+        machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
+        if args.device == "cuda":
+            machine += f", {torch.cuda.get_device_name()}"
         args.out.write_text("\n".join([f"Machine: {machine}; median of one `estimator.step`.", "", *lines, ""]))
 
 
