@@ -1,11 +1,14 @@
 """Time one training iteration of each estimator, at checkerboard size and at Frey-face size.
 
-    python benchmarks/bench_estimators.py [--repeats 50] [--threads 1 2] [--device cpu] [--out table.md]
+    python benchmarks/bench_estimators.py [--rounds 10] [--block 10] [--threads 1 2] [--device cpu] [--out table.md]
 
-Each case builds the estimator from a bundled recipe (with overrides), warms up, then reports
-the median wall time of one ``estimator.step(batch)`` over ``--repeats`` steps, for each thread
-count. Frey-face size uses a random stand-in data file of the real format (v = 560, h = 400,
-batch 100), so the real data are not needed. Compare numbers only within one run.
+Each case builds the estimator from a bundled recipe (with overrides) and warms up. Then the
+cases take turns: in each of ``--rounds`` rounds every case runs ``--block`` timed steps
+(``--frey-block`` at Frey size), so a drift in the machine's speed, which is large on a shared
+virtual machine, hits every case alike. Reported: the median step time and the spread (10th
+and 90th percentiles) of the per-round medians, per thread count. Frey-face size uses a random
+stand-in data file of the real format (v = 560, h = 400, batch 100), so the real data are not
+needed. Compare numbers only within one run.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable
 
+import attrs
 import numpy as np
 import scipy.io
 import torch
@@ -57,57 +62,88 @@ def frey_stand_in(folder: Path) -> Path:
     return folder
 
 
-def time_step(recipe: Path, overrides: list[str], repeats: int, warmup: int, device: str = "cpu") -> float:
-    """Median seconds of one estimator step on a fixed batch (the device synchronised around it)."""
+@attrs.define
+class Case:
+    size: str
+    name: str
+    step: Callable[[], Any]
+    block: int
+    times: list[float] = attrs.field(factory=list)
+    round_medians: list[float] = attrs.field(factory=list)
+
+
+def make_case(size: str, name: str, recipe: Path, overrides: list[str], block: int, device: str) -> Case:
+    """Build the recipe's estimator on a fixed batch; ``step`` runs one synchronised step."""
     spec = load_recipe(recipe, overrides + NO_EVAL)
     seed_everything(0)
     built = build(spec, torch.device(device))
-    estimator, data = built.parts.estimator, built.parts.data.train
-    batch = data[: spec.run.batch_size]
+    estimator, batch = built.parts.estimator, built.parts.data.train[: spec.run.batch_size]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        estimator.step(batch)
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
+
+    def step() -> None:
         estimator.step(batch)
         sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return Case(size, name, step, block)
+
+
+def time_interleaved(cases: list[Case], rounds: int, warmup: int) -> None:
+    """Warm every case up, then time ``rounds`` rounds of ``case.block`` steps each, in turn."""
+    for case in cases:
+        for _ in range(warmup):
+            case.step()
+    for _ in range(rounds):
+        for case in cases:
+            times = []
+            for _ in range(case.block):
+                start = time.perf_counter()
+                case.step()
+                times.append(time.perf_counter() - start)
+            case.times += times
+            case.round_medians.append(statistics.median(times))
+
+
+def summary(case: Case) -> tuple[float, float, float]:
+    """(median step, 10th and 90th percentile of the round medians), in ms."""
+    deciles = statistics.quantiles(case.round_medians, n=10, method="inclusive") if len(case.round_medians) > 1 else case.round_medians * 9
+    return 1000 * statistics.median(case.times), 1000 * deciles[0], 1000 * deciles[-1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--frey-repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--block", type=int, default=10, help="timed steps per round at checkerboard size")
+    parser.add_argument("--frey-block", type=int, default=2, help="timed steps per round at Frey size")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
     args = parser.parse_args()
 
-    rows = []
+    cells: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         frey = frey_stand_in(Path(tmp))
-        cases = [("checkerboard", n, r, o, args.repeats) for n, r, o in CHECKERBOARD]
-        cases += [("Frey size", n, r, o + [f"data.root=\"{frey}\""], args.frey_repeats) for n, r, o in FREY]
-        for size, name, recipe, overrides, repeats in cases:
-            cells = []
-            for threads in args.threads:
-                torch.set_num_threads(threads)
-                ms = 1000 * time_step(ROOT / "recipes" / recipe, overrides, repeats, max(3, repeats // 10), args.device)
-                cells.append(ms)
-            rows.append((size, name, cells))
-            print(f"{size:13s} {name:28s} " + "  ".join(f"{t}T {ms:8.2f} ms" for t, ms in zip(args.threads, cells)), flush=True)
+        specs = [("checkerboard", n, r, o, args.block) for n, r, o in CHECKERBOARD]
+        specs += [("Frey size", n, r, o + [f"data.root=\"{frey}\""], args.frey_block) for n, r, o in FREY]
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            cases = [make_case(size, name, ROOT / "recipes" / recipe, overrides, block, args.device)
+                     for size, name, recipe, overrides, block in specs]
+            time_interleaved(cases, args.rounds, warmup=3)
+            for case in cases:
+                median, low, high = summary(case)
+                cells.setdefault((case.size, case.name), []).append(f"{median:.2f} ({low:.2f}-{high:.2f})")
+                print(f"{threads}T {case.size:13s} {case.name:28s} {cells[case.size, case.name][-1]} ms", flush=True)
 
     if args.out:
         head = "| size | estimator | " + " | ".join(f"{t} thread{'s' * (t > 1)} (ms)" for t in args.threads) + " |"
         lines = [head, "|" + "---|" * (2 + len(args.threads))]
-        lines += [f"| {s} | {n} | " + " | ".join(f"{ms:.2f}" for ms in c) + " |" for s, n, c in rows]
+        lines += [f"| {size} | {name} | " + " | ".join(row) + " |" for (size, name), row in cells.items()]
         machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
         if args.device == "cuda":
             machine += f", {torch.cuda.get_device_name()}"
-        args.out.write_text("\n".join([f"Machine: {machine}; median of one `estimator.step`.", "", *lines, ""]))
+        note = (f"Machine: {machine}. Median of one `estimator.step` over {args.rounds} interleaved rounds "
+                "(in brackets: 10th-90th percentile of the round medians).")
+        args.out.write_text("\n".join([note, "", *lines, ""]))
 
 
 if __name__ == "__main__":

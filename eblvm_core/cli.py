@@ -10,7 +10,7 @@ import typer
 
 from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Learn energy-based latent variable models from TOML recipes.")
 
 
