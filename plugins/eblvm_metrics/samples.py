@@ -7,7 +7,6 @@ from typing import Any, Callable
 
 import attrs
 import torch
-from torchvision.utils import make_grid
 
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.contracts import EvalResult, Parts
@@ -53,6 +52,8 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
         generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
         samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, d)
         images = samples.reshape(cfg.n, *shape).clamp(0, 1).float().cpu()
+        from torchvision.utils import make_grid  # imported here: torchvision adds 2 s to every CLI start
+
         grid = make_grid(images, nrow=cfg.nrow, padding=cfg.padding, pad_value=1.0)
         return EvalResult(images={"samples": grid})
 
