@@ -188,7 +188,7 @@ def build_gaussian(cfg: GaussianConfig, parts: Parts) -> GaussianPosterior:
 class GaussianConvConfig:
     channels: int = option(32, "channels of the first conv layer (then 2x, 4x)", positive)
     activation: Activation = option("elu", "activation between layers")
-    image_shape: list[int] | None = option(None, "[C, H, W] when the data is stored flat; else the data's shape")
+    image_shape: list[int] | None = option(None, "[C, H, W]; default: the data set's image shape, else the data's own shape")
 
 
 class ConvTrunk(nn.Module):
@@ -214,7 +214,7 @@ def build_gaussian_conv(cfg: GaussianConvConfig, parts: Parts) -> GaussianPoster
     """Gaussian q(h|v) for images: a 3-layer conv trunk and linear mean and log-std heads."""
     m = latent_dim(parts, "gaussian")
     data = parts.need("data", "posterior")
-    shape = tuple(cfg.image_shape) if cfg.image_shape is not None else data.shape
+    shape = tuple(cfg.image_shape or data.image_shape or data.shape)
     if len(shape) == 2:
         shape = (1, *shape)
     if len(shape) != 3 or math.prod(shape) != data.dim:
