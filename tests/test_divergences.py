@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from eblvm_core.build import build as build_parts
+from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import validate
-from eblvm_divergences import KL, Fisher
+from eblvm_divergences import KL, Fisher, PosteriorFisherConfig, build_posterior_fisher
 from eblvm_grbm.model import GRBM
 from eblvm_posteriors import BernoulliPosterior
 from tests import linear_gaussian
@@ -135,3 +136,38 @@ def test_fisher_with_a_bernoulli_latent_is_a_recipe_error():
         build_parts(recipe, torch.device("cpu"))
     assert (err.value.section, err.value.key) == ("divergence", "kind")
     assert "fisher.toml" in str(err.value) and "continuous" in str(err.value)
+
+
+# ---- the posterior-fisher evaluator ----------------------------------------------------------
+
+
+def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_form():
+    from tests.linear_gaussian import build
+
+    model, posterior, parts = build(d=3, m=2)
+    v = parts.data.test
+    assert float(Fisher()(model, posterior, v).detach().abs().max()) < 1e-20
+    delta = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    log_s = torch.tensor([0.4, -0.3], dtype=torch.float64)
+    with torch.no_grad():
+        posterior.head.bias[:2] += delta
+        posterior.head.bias[2:] = log_s
+    # ∇_h log q + ∇_h E = (h − μ)(D − 1/s²) + D(μ − μ*), so D_F = ½[Σ_j (D_j − 1/s_j²)² s_j² + ‖Dδ‖²]
+    dd, s2 = model.log_d.exp().detach(), (2 * log_s).exp()
+    closed = 0.5 * (((dd - 1 / s2) ** 2 * s2).sum() + ((dd * delta) ** 2).sum())
+    torch.manual_seed(13)
+    values = Fisher(n_samples=20_000)(model, posterior, v).detach()
+    assert torch.allclose(values, closed.expand(len(v)), rtol=0.03)
+
+
+def test_posterior_fisher_evaluator_and_refusals():
+    from tests.linear_gaussian import build
+
+    model, posterior, parts = build(d=3, m=2)
+    scalars = build_posterior_fisher(PosteriorFisherConfig(), parts)(parts).scalars
+    assert scalars["test_posterior_fisher"] == pytest.approx(0.0, abs=1e-20)
+    with pytest.raises(ConfigError, match="needs a \\[posterior\\]"):
+        build_posterior_fisher(PosteriorFisherConfig(), Parts(data=parts.data, model=model))
+    grbm = Parts(data=DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2)), model=GRBM(2, 2), posterior=posterior)
+    with pytest.raises(ConfigError, match="continuous"):
+        build_posterior_fisher(PosteriorFisherConfig(), grbm)

@@ -15,8 +15,7 @@ from eblvm_core.errors import ConfigError
 from eblvm_grbm.ais import AISLoglikConfig, ais_log_partition, base_log_partition, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd, contrastive_loss
 from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
-from eblvm_grbm.fisher import (PosteriorFisherConfig, ScoreLossConfig, build_posterior_fisher, build_score_loss,
-                               posterior_fisher, score_matching_loss)
+from eblvm_grbm.fisher import ScoreLossConfig, build_score_loss, score_matching_loss
 from eblvm_grbm.gibbs import GibbsConfig, GibbsSampler, gibbs_chain
 from eblvm_grbm.model import GRBM, all_binary
 
@@ -262,7 +261,7 @@ def test_cd_refuses_models_without_gibbs():
         build_cd(CDConfig(), parts)
 
 
-# ---- score-loss and posterior-fisher ---------------------------------------------------------
+# ---- score-loss ---------------------------------------------------------------------------
 
 
 def grbm_score_loss_closed_form(model: GRBM, v: torch.Tensor) -> torch.Tensor:
@@ -302,35 +301,3 @@ def test_score_loss_evaluator_picks_the_trace_and_averages():
     assert noisy["test_score_loss"] != scalars["test_score_loss"]
     with pytest.raises(ConfigError, match="no 'val' split"):
         build_score_loss(ScoreLossConfig(split="val"), parts)
-
-
-def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_form():
-    from tests.linear_gaussian import build
-
-    model, posterior, parts = build(d=3, m=2)
-    v = parts.data.test
-    assert float(posterior_fisher(model, posterior, v).abs().max()) < 1e-20
-    delta = torch.tensor([0.3, -0.2], dtype=torch.float64)
-    log_s = torch.tensor([0.4, -0.3], dtype=torch.float64)
-    with torch.no_grad():
-        posterior.head.bias[:2] += delta
-        posterior.head.bias[2:] = log_s
-    # ∇_h log q + ∇_h E = (h − μ)(D − 1/s²) + D(μ − μ*), so D_F = ½[Σ_j (D_j − 1/s_j²)² s_j² + ‖Dδ‖²]
-    dd, s2 = model.log_d.exp().detach(), (2 * log_s).exp()
-    closed = 0.5 * (((dd - 1 / s2) ** 2 * s2).sum() + ((dd * delta) ** 2).sum())
-    torch.manual_seed(13)
-    values = posterior_fisher(model, posterior, v, n_samples=20_000)
-    assert torch.allclose(values, closed.expand(len(v)), rtol=0.03)
-
-
-def test_posterior_fisher_evaluator_and_refusals():
-    from tests.linear_gaussian import build
-
-    model, posterior, parts = build(d=3, m=2)
-    scalars = build_posterior_fisher(PosteriorFisherConfig(), parts)(parts).scalars
-    assert scalars["test_posterior_fisher"] == pytest.approx(0.0, abs=1e-20)
-    with pytest.raises(ConfigError, match="needs a \\[posterior\\]"):
-        build_posterior_fisher(PosteriorFisherConfig(), Parts(data=parts.data, model=model))
-    grbm = Parts(data=DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2)), model=GRBM(2, 2), posterior=posterior)
-    with pytest.raises(ConfigError, match="continuous"):
-        build_posterior_fisher(PosteriorFisherConfig(), grbm)

@@ -1,15 +1,17 @@
-"""Lower-level divergences D(q(h|v) ‖ p(h|v)) of BiSM (Eq. 10-11), computed from E and q only."""
+"""Lower-level divergences D(q(h|v) ‖ p(h|v)) of BiSM (Eq. 10-11), computed from E and q only, and
+the ``posterior-fisher`` evaluator that measures the Fisher one on a data split."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable, Literal
 
 import attrs
 import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import Divergence, EnergyModel, Parts, Posterior
+from eblvm_core.contracts import Divergence, EnergyModel, EvalResult, Parts, Posterior
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 
@@ -82,7 +84,50 @@ def build_fisher(cfg: FisherConfig, parts: Parts) -> Fisher:
     return Fisher(cfg.n_samples)
 
 
+@attrs.frozen
+class PosteriorFisherConfig:
+    split: Literal["test", "train", "val"] = option("test", "data split to average the divergence over")
+    n_samples: int = option(1, "draws h ~ q(h|v) per point", positive)
+    batch_size: int = option(1000, "points per backward pass", positive)
+    seed: int = option(0, "seed of the posterior draws, so that repeated evaluations agree")
+
+
+def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+    """Posterior Fisher divergence D_F(q(h|v) ‖ p(h|v)) of Eq. 11 on a data split (continuous h only).
+
+    Exact, not up to a constant: ∇_h log p(h|v) = −∇_h E(v, h) because p(v) does not depend on h.
+    """
+    model = parts.need("model", "")
+    data = parts.need("data", "")
+    if parts.posterior is None:
+        raise ConfigError("", "kind", "posterior-fisher measures q(h|v) against p(h|v) and needs a [posterior] section")
+    if model.latent is None or model.latent.kind != "gaussian":
+        kind = "none" if model.latent is None else model.latent.kind
+        raise ConfigError("", "kind", f"posterior-fisher differentiates in h and needs continuous (gaussian) latents; the model's are {kind}")
+    if getattr(data, cfg.split) is None:
+        raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
+    fisher = Fisher(cfg.n_samples)
+
+    def evaluate(parts: Parts) -> EvalResult:
+        """{split}_posterior_fisher (mean over points) and its standard error."""
+        v = getattr(parts.data, cfg.split)
+        devices = [v.device] if v.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            torch.manual_seed(cfg.seed)
+            values = torch.cat([fisher(parts.model, parts.posterior, chunk).detach() for chunk in v.split(cfg.batch_size)])
+        stderr = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
+        return EvalResult(scalars={f"{cfg.split}_posterior_fisher": float(values.mean()),
+                                   f"{cfg.split}_posterior_fisher_stderr": stderr})
+
+    return evaluate
+
+
 @hookimpl
 def register_divergences(register):
     register("kl", build_kl, KLConfig)
     register("fisher", build_fisher, FisherConfig)
+
+
+@hookimpl
+def register_evaluators(register):
+    register("posterior-fisher", build_posterior_fisher, PosteriorFisherConfig)

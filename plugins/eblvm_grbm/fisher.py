@@ -1,9 +1,5 @@
-"""Fisher-type evaluators: the test score-matching loss of the marginal model (BiSM Table 1,
-"Fisher" column) and the posterior Fisher divergence D_F(q(h|v) ‖ p(h|v)) (BiSM Eq. 11).
-
-Both are generic: the first needs a model with a free energy, the second a model energy and a
-posterior over continuous h.
-"""
+"""The test score-matching loss of the marginal model (BiSM Table 1, "Fisher" column); generic:
+it needs a model with a free energy."""
 
 from __future__ import annotations
 
@@ -15,7 +11,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Posterior, exact_score
+from eblvm_core.contracts import EnergyModel, EvalResult, Parts, exact_score
 from eblvm_core.errors import ConfigError
 
 
@@ -43,20 +39,6 @@ def score_matching_loss(model: EnergyModel, v: Tensor, trace: Literal["exact", "
                 (g,) = torch.autograd.grad((s * u).sum(), v, retain_graph=True)
                 tr = tr + (g.reshape(len(v), -1) * u).sum(-1) / n_probes
     return (half_norm + tr).detach()
-
-
-def posterior_fisher(model: EnergyModel, posterior: Posterior, v: Tensor, n_samples: int = 1) -> Tensor:
-    """D_F(q(h|v) ‖ p(h|v)) = ½ E_q ‖∇_h log q(h|v) + ∇_h E(v, h)‖² (Eq. 11), Monte Carlo over
-    ``n_samples`` draws h ~ q per point: v (B, d) -> (B,). Exact, not up to a constant:
-    ∇_h log p(h|v) = −∇_h E(v, h) because p(v) does not depend on h."""
-    with torch.enable_grad():
-        h = posterior.rsample(v, n_samples).detach().requires_grad_(True)  # (n, B, m)
-        n, b = h.shape[0], h.shape[1]
-        v_rep = v.unsqueeze(0).expand(n, *v.shape).reshape(n * b, *v.shape[1:])
-        energy = model.energy(v_rep, h.reshape(n * b, *h.shape[2:]))
-        log_q = posterior.log_prob(h, v)
-        (grad,) = torch.autograd.grad(log_q.sum() + energy.sum(), h)
-    return (0.5 * (grad.reshape(n, b, -1) ** 2).sum(-1).mean(0)).detach()
 
 
 def _mean_and_stderr(values: Tensor) -> tuple[float, float]:
@@ -92,39 +74,5 @@ def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], Ev
                             for chunk in v.split(cfg.batch_size)])
         mean, stderr = _mean_and_stderr(losses)
         return EvalResult(scalars={f"{cfg.split}_score_loss": mean, f"{cfg.split}_score_loss_stderr": stderr})
-
-    return evaluate
-
-
-@attrs.frozen
-class PosteriorFisherConfig:
-    split: Literal["test", "train", "val"] = option("test", "data split to average the divergence over")
-    n_samples: int = option(1, "draws h ~ q(h|v) per point", positive)
-    batch_size: int = option(1000, "points per backward pass", positive)
-    seed: int = option(0, "seed of the posterior draws, so that repeated evaluations agree")
-
-
-def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Posterior Fisher divergence D_F(q(h|v) ‖ p(h|v)) of Eq. 11 (continuous h only)."""
-    model = parts.need("model", "")
-    data = parts.need("data", "")
-    if parts.posterior is None:
-        raise ConfigError("", "kind", "posterior-fisher measures q(h|v) against p(h|v) and needs a [posterior] section")
-    if model.latent is None or model.latent.kind != "gaussian":
-        kind = "none" if model.latent is None else model.latent.kind
-        raise ConfigError("", "kind", f"posterior-fisher differentiates in h and needs continuous (gaussian) latents; the model's are {kind}")
-    if getattr(data, cfg.split) is None:
-        raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
-
-    def evaluate(parts: Parts) -> EvalResult:
-        """{split}_posterior_fisher (mean over points) and its standard error."""
-        v = getattr(parts.data, cfg.split)
-        devices = [v.device] if v.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(cfg.seed)
-            values = torch.cat([posterior_fisher(parts.model, parts.posterior, chunk, cfg.n_samples)
-                                for chunk in v.split(cfg.batch_size)])
-        mean, stderr = _mean_and_stderr(values)
-        return EvalResult(scalars={f"{cfg.split}_posterior_fisher": mean, f"{cfg.split}_posterior_fisher_stderr": stderr})
 
     return evaluate
