@@ -54,8 +54,8 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None, measure: bool = True) -> float:
     """Backward ``loss`` into the optimizer's parameters (if given), clip, and step.
 
-    Gradients of the optimizer's parameters are zeroed first, so a caller that fills
-    ``.grad`` itself passes ``loss=None`` after doing so. Returns the gradient norm before
+    With ``loss`` the gradients of the optimizer's parameters are replaced (zeros where the
+    loss does not reach), so a caller that fills ``.grad`` itself passes ``loss=None``. Returns the gradient norm before
     clipping, or NaN when ``measure`` is false and there is no clipping (which saves work).
     """
     params = [p for p in optimizer_params(optimizer) if p.requires_grad]

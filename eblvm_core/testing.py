@@ -165,8 +165,8 @@ def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperat
     """A Gaussian RBM (d visible, m Bernoulli hidden units) with q = p(h|v), float64.
 
     q is the linear ``bernoulli`` posterior with logits set to c + Uᵀv, the exact GRBM
-    posterior (U = W/σ for the ``scaled`` coupling, W for ``plain``). Because E is linear in h, log q(h|v) + E(v, h) = F(v) for every h, also for the
-    relaxed samples of ``rsample``.
+    posterior (U = W/σ for the ``scaled`` coupling, W for ``plain``). Because E is linear in h,
+    log q(h|v) + E(v, h) = F(v) for every h, also for the relaxed samples of ``rsample``.
     """
     g = torch.Generator().manual_seed(seed)
     data = DataSplits(train=torch.randn(64, d, generator=g, dtype=F64), test=torch.randn(16, d, generator=g, dtype=F64))
