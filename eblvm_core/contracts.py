@@ -6,6 +6,7 @@ Energies follow the sign convention p(v, h) ∝ exp(-E(v, h)): lower energy, hig
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -187,6 +188,13 @@ class EvalResult:
 
     scalars: dict[str, float] = attrs.field(factory=dict)
     images: dict[str, Tensor] = attrs.field(factory=dict)
+
+    @classmethod
+    def mean_over_points(cls, name: str, values: Tensor) -> "EvalResult":
+        """Scalars ``name`` (mean of per-point values (n,)) and ``name_stderr`` (std/√n; NaN for n = 1)."""
+        n = len(values)
+        stderr = float(values.std() / math.sqrt(n)) if n > 1 else float("nan")
+        return cls(scalars={name: float(values.mean()), f"{name}_stderr": stderr})
 
 
 @runtime_checkable

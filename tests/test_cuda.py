@@ -6,15 +6,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
-import scipy.io
 import torch
 
 from eblvm_core.checkpoint import last_checkpoint
 from eblvm_core.contracts import exact_score
 from eblvm_core.testing import tiny_grbm_setup
 from eblvm_core.trainer import run
+from tests.test_images import frey_images, write_frey
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -51,8 +50,7 @@ def test_every_grbm_recipe_trains_and_evaluates_on_cuda(recipe, tmp_path):
 
 @pytest.mark.parametrize("recipe", ["freyface_dsm.toml", "freyface_bidsm.toml", "freyface_vagesdsm.toml"])
 def test_frey_face_recipes_train_on_cuda(recipe, tmp_path):
-    rng = np.random.default_rng(0)
-    scipy.io.savemat(tmp_path / "frey_rawface.mat", {"ff": rng.integers(0, 256, (560, 1965), dtype=np.uint8)})
+    write_frey(tmp_path, frey_images(1965))
     overrides = ["run.steps=20", "run.log_every=10", f'data.root="{tmp_path}"', "eval.1.n_chains=200", "eval.1.n_temps=200"]
     _, results = run(RECIPES / recipe, overrides, device="cuda", out=tmp_path / "runs", echo=lambda _: None)
     assert all(math.isfinite(value) for value in results.values()), results

@@ -237,11 +237,10 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:
     validation-selected best.pt, re-evaluated by the [[final_eval]] evaluators, sample images."""
-    import numpy as np
-    import scipy.io
     import tomli_w
 
     from eblvm_core.recipe import read
+    from tests.test_images import frey_images, write_frey
 
     spec = read(RECIPES / "compare" / "freyface.toml")
     spec["method"] = [m for m in spec["method"] if m["name"] in ("DSM", "BiDSM N=1")]
@@ -250,9 +249,7 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
     spec["final_eval"][0].update(n_chains=20, n_temps=20)
     path = tmp_path / "frey.toml"
     path.write_text(tomli_w.dumps(spec))
-    images = ((7 * np.arange(40)[:, None] + np.arange(560)[None, :]) % 256).astype(np.uint8)
-    (tmp_path / "frey").mkdir()
-    scipy.io.savemat(tmp_path / "frey" / "frey_rawface.mat", {"ff": images.T})
+    write_frey(tmp_path / "frey", frey_images(40))
     tiny = [f"data.root={tmp_path / 'frey'}", "data.n_train=20", "data.n_val=10", "data.n_test=10",
             "model.n_hidden=8", "run.eval_every=2", "sampler.burn_in=5", "run.batch_size=10"]
     out = tmp_path / "results"

@@ -115,9 +115,7 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             torch.manual_seed(cfg.seed)
             values = torch.cat([fisher(parts.model, parts.posterior, chunk).detach() for chunk in v.split(cfg.batch_size)])
-        stderr = float(values.std() / math.sqrt(len(values))) if len(values) > 1 else float("nan")
-        return EvalResult(scalars={f"{cfg.split}_posterior_fisher": float(values.mean()),
-                                   f"{cfg.split}_posterior_fisher_stderr": stderr})
+        return EvalResult.mean_over_points(f"{cfg.split}_posterior_fisher", values)
 
     return evaluate
 

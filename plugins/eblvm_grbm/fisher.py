@@ -3,7 +3,6 @@ it needs a model with a free energy."""
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Literal
 
 import attrs
@@ -41,11 +40,6 @@ def score_matching_loss(model: EnergyModel, v: Tensor, trace: Literal["exact", "
     return (half_norm + tr).detach()
 
 
-def _mean_and_stderr(values: Tensor) -> tuple[float, float]:
-    n = len(values)
-    return float(values.mean()), float(values.std() / math.sqrt(n)) if n > 1 else float("nan")
-
-
 @attrs.frozen
 class ScoreLossConfig:
     split: Literal["test", "train", "val"] = option("test", "data split to average the loss over")
@@ -72,7 +66,6 @@ def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], Ev
         generator = torch.Generator(device=v.device).manual_seed(cfg.seed)
         losses = torch.cat([score_matching_loss(parts.model, chunk, trace, cfg.n_probes, generator)
                             for chunk in v.split(cfg.batch_size)])
-        mean, stderr = _mean_and_stderr(losses)
-        return EvalResult(scalars={f"{cfg.split}_score_loss": mean, f"{cfg.split}_score_loss_stderr": stderr})
+        return EvalResult.mean_over_points(f"{cfg.split}_score_loss", losses)
 
     return evaluate
