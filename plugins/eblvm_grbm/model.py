@@ -54,10 +54,13 @@ class GRBM(EnergyModel):
         """U (d, m): W/σ when scaled, W when plain."""
         return self.W * torch.exp(-self.log_sigma) if self.coupling == "scaled" else self.W
 
+    def visible_quadratic(self, v: Tensor) -> Tensor:
+        """‖v − b‖²/(2σ²): v (B, d) -> (B,)."""
+        return 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
+
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
         """v (B, d), h (B, m) -> (B,)."""
-        quad = 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
-        return quad - (h * (self.c + v @ self.coupling_weight())).sum(-1)
+        return self.visible_quadratic(v) - (h * (self.c + v @ self.coupling_weight())).sum(-1)
 
     def hidden_logits(self, v: Tensor) -> Tensor:
         """Logits c + Uᵀv of p(h_j = 1 | v): v (B, d) -> (B, m)."""
@@ -65,8 +68,7 @@ class GRBM(EnergyModel):
 
     def free_energy(self, v: Tensor) -> Tensor:
         """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, d) -> (B,)."""
-        quad = 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
-        return quad - F.softplus(self.hidden_logits(v)).sum(-1)
+        return self.visible_quadratic(v) - F.softplus(self.hidden_logits(v)).sum(-1)
 
     def visible_mean(self, h: Tensor) -> Tensor:
         """Mean b + σ²Uh of p(v | h): h (B, m) -> (B, d)."""
