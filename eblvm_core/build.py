@@ -1,5 +1,6 @@
-"""Recipe -> live parts: data, model, posterior, objective, divergence, optimizers, estimator,
-evaluators and loggers."""
+"""Recipe -> live parts, in the order of ``registry.KINDS``; then the optimizers by role, the
+estimator, schedules, evaluators and loggers. Every check that can fail before training
+happens here, so ``eblvm validate`` (a dry build) rejects what ``eblvm run`` would."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Any, Callable
 
 import attrs
 import torch
+from torch import Tensor, nn
 
-from eblvm_core.contracts import EvalResult, Logger, Parts
+from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError
-from eblvm_core.recipe import Recipe, Section
+from eblvm_core.recipe import Recipe, Role, Section
+from eblvm_core.registry import did_you_mean
 
 
 @attrs.define
@@ -19,13 +22,21 @@ class Built:
     parts: Parts
     evaluators: list[tuple[str, Callable[[Parts], EvalResult]]]
     loggers: list[Logger]
+    schedules: dict[str, Schedule] = attrs.field(factory=dict)
 
 
 def pick_device(choice: str) -> torch.device:
+    """The torch device of ``[run] device``; a ConfigError when it is not available here."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run", "device", "cuda requested but no CUDA device is available")
+    if choice.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("run", "device", f"{choice} requested but no CUDA device is available")
+        index = int(choice.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError("run", "device", f"{choice} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if choice == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("run", "device", "mps requested but it is not available")
     return torch.device(choice)
 
 
@@ -37,35 +48,133 @@ def _make(section: Section, *args: Any) -> Any:
         raise
 
 
-def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None) -> Built:
-    """Build every part of the recipe in order; ConfigErrors carry the recipe's file name."""
+def _place(data: DataSplits, device: torch.device, dtype: torch.dtype) -> DataSplits:
+    """In-memory splits moved to the device; float ones converted to the run's dtype."""
+
+    def move(split: Any) -> Any:
+        if not isinstance(split, Tensor):
+            return split
+        return split.to(device, dtype) if split.is_floating_point() else split.to(device)
+
+    return attrs.evolve(data, train=move(data.train), test=move(data.test), val=move(data.val))
+
+
+def _optimizer_factory(role: Role, recipe: Recipe, device: torch.device) -> Callable[[Any], torch.optim.Optimizer]:
+    def make(params: Any) -> torch.optim.Optimizer:
+        optimizer = _make(role.optimizer, params)
+        optimizer.base_lrs = [group["lr"] for group in optimizer.param_groups]  # type: ignore[attr-defined]
+        if recipe.run.precision == "fp16":
+            optimizer.grad_scaler = torch.amp.GradScaler(device.type)  # type: ignore[attr-defined]
+        return optimizer
+
+    return make
+
+
+def _check_roles(recipe: Recipe, estimator: Any, missing: list[str]) -> None:
+    """The recipe's [optim.<role>] sections are exactly the estimator's roles: unknown ones first
+    (a misspelling is both unknown and missing), then missing ones."""
+    kind = recipe.parts["estimator"].kind
+    roles = tuple(getattr(estimator, "roles", ()))
+    made = tuple(getattr(estimator, "optimizers", {}))
+    if sorted(roles) != sorted(made):
+        raise TypeError(f"estimator '{kind}' declares roles {roles} but made optimizers for {made}")
+    for name in recipe.optim:
+        if name not in roles:
+            hint = did_you_mean(name, missing) or did_you_mean(name, list(roles))
+            raise ConfigError(f"optim.{name}", None, f"unknown role{hint}; estimator '{kind}' trains: {', '.join(roles)}")
+    for name in missing:
+        raise ConfigError(f"optim.{name}", "kind", f"missing: estimator '{kind}' trains role '{name}'; add [optim.{name}] with an optimizer kind")
+
+
+def _check_precision(recipe: Recipe, estimator: Any) -> None:
+    precision = recipe.run.precision
+    allowed = tuple(getattr(estimator, "precisions", ("fp32",)))
+    if precision not in allowed:
+        why = getattr(estimator, "precision_note", "")
+        raise ConfigError("run", "precision", f"estimator '{recipe.parts['estimator'].kind}' supports {', '.join(allowed)}, "
+                          f"not {precision}" + (f" ({why})" if why else ""))
+
+
+def _check_select_metric(recipe: Recipe, evaluators: list[tuple[str, Any]]) -> None:
+    metric = recipe.run.select_metric
+    if metric is None:
+        return
+    keys: set[str] = set()
+    for name, evaluator in evaluators:
+        reports = getattr(evaluator, "reports", None)
+        if reports is None:
+            return  # an evaluator that does not declare its keys: checked when it first reports
+        keys.update(f"eval/{name}/{key}" for key in reports)
+    if metric not in keys:
+        hint = did_you_mean(metric, sorted(keys))
+        raise ConfigError("run", "select_metric", f"no evaluator reports '{metric}'{hint}; reported: {', '.join(sorted(keys)) or 'nothing'}")
+
+
+def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry_run: bool = False) -> Built:
+    """Build every part of the recipe but the loggers; ConfigErrors carry the recipe's file name.
+
+    ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in for
+    absent files (``Parts.warn`` says so).
+    """
     dtype = getattr(torch, recipe.run.dtype)
-    parts = Parts(device=device, dtype=dtype, run_dir=run_dir)
+    parts = Parts(device=device, dtype=dtype, run_dir=run_dir, dry_run=dry_run)
+    parts.strict_roles = True
     try:
-        data = _make(recipe.parts["data"], parts)
-        parts.data = attrs.evolve(
-            data,
-            train=data.train.to(device, dtype),
-            test=data.test.to(device, dtype),
-            val=None if data.val is None else data.val.to(device, dtype),
-        )
-        parts.model = _make(recipe.parts["model"], parts).to(device, dtype)
-        if "posterior" in recipe.parts:
-            parts.posterior = _make(recipe.parts["posterior"], parts).to(device, dtype)
-        if "objective" in recipe.parts:
-            parts.objective = _make(recipe.parts["objective"], parts)
-        if "divergence" in recipe.parts:
-            parts.divergence = _make(recipe.parts["divergence"], parts)
-        if "sampler" in recipe.parts:
-            parts.samplers["default"] = _make(recipe.parts["sampler"], parts)
-        for name, section in recipe.optim.items():
-            parts.optimizer_factories[name] = lambda params, _s=section: _make(_s, params)
-        parts.estimator = _make(recipe.parts["estimator"], parts)
+        pick_device(recipe.run.device)
+        for label, section in recipe.parts.items():
+            if label == "estimator":
+                continue
+            part = _make(section, parts)
+            if isinstance(part, DataSplits):
+                part = _place(part, device, dtype)
+            elif isinstance(part, nn.Module):
+                part = part.to(device, dtype)
+            setattr(parts, label, part)
+        for name, role in recipe.optim.items():
+            parts.optimizer_factories[name] = _optimizer_factory(role, recipe, device)
+        estimator = _make(recipe.parts["estimator"], parts)
+        _check_roles(recipe, estimator, parts.missing_roles)
+        _check_precision(recipe, estimator)
+        parts.estimator = estimator
+        schedules = {name: _make(role.schedule, parts) for name, role in recipe.optim.items()}
         evaluators = [(s.kind, _make(s, parts)) for s in recipe.evals]
-        loggers: list[Logger] = []
-        if run_dir is not None:
-            loggers = [_make(s, run_dir) for s in recipe.logs]
+        _check_select_metric(recipe, evaluators)
     except ConfigError as exc:
         exc.file = exc.file or recipe.path
         raise
-    return Built(parts, evaluators, loggers)
+    return Built(parts, evaluators, [], schedules)
+
+
+def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:
+    """The recipe's [[log]] sinks, writing into ``run_dir`` (made once the run directory exists)."""
+    try:
+        return [_make(s, run_dir) for s in recipe.logs]
+    except ConfigError as exc:
+        exc.file = exc.file or recipe.path
+        raise
+
+
+def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
+    """``eblvm validate``: build a recipe (or every method of a comparison spec) on the CPU
+    without training or writing; returns the warnings. Raises what ``run`` would raise before
+    its first step. Without ``check_data`` data sets may stand in for absent files."""
+    from eblvm_core import checkpoint as ckpt
+    from eblvm_core.recipe import read, validate
+
+    raw = read(path)
+    if "compare" in raw or "method" in raw:
+        from eblvm_core.compare import load_spec
+
+        spec = load_spec(path, overrides)
+        recipes = [validate(merged, str(spec.path.parent / m.recipe)) for m, merged in zip(spec.methods, spec.recipes.values())]
+    else:
+        from eblvm_core.recipe import load_recipe
+
+        recipes = [load_recipe(path, overrides)]
+    warnings: list[str] = []
+    for recipe in recipes:
+        with torch.random.fork_rng(devices=[]):
+            ckpt.seed_everything(recipe.run.seed or 0)
+            built = build(recipe, torch.device("cpu"), dry_run=not check_data)
+        warnings += [w for w in built.parts.warnings if w not in warnings]
+    return warnings

@@ -11,7 +11,8 @@ import typer
 from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Learn energy-based latent variable models from TOML recipes.")
+                  help="Learn energy-based latent variable models from TOML recipes.",
+                  epilog="Plugins may add commands: `eblvm plugins` lists them.")
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -33,13 +34,12 @@ def guarded(fn: Callable[[], None]) -> None:
 def run(
     recipe: Optional[Path] = typer.Argument(None, help="recipe file (omit with --resume)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: the recipe's)"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     out: Path = typer.Option(Path("runs"), help="folder that holds run directories"),
     resume: Optional[Path] = typer.Option(None, help="continue the run in this run directory"),
 ) -> None:
     """Train a model as a recipe says; print the final evaluation."""
-    if device not in (None, "cpu", "cuda", "auto"):
-        fail(f"--device must be cpu, cuda or auto, got '{device}'")
+    _check_device(device)
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
 
@@ -56,18 +56,25 @@ def run(
 
 @app.command()
 def validate(
-    recipes: list[Path] = typer.Argument(..., help="recipe files"),
+    recipes: list[Path] = typer.Argument(..., help="recipe files or comparison specs"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
+    check_data: bool = typer.Option(False, "--check-data", help="also require the data files (by default a data set whose files are absent is replaced by a stand-in, with a warning)"),
 ) -> None:
-    """Check recipes against the registered components without running anything."""
-    from eblvm_core.recipe import load_recipe
+    """Dry-run recipes: build every part at recipe size without training, downloading or writing.
+
+    Whatever `eblvm run` would reject before its first step is rejected here, with the same
+    one-line error and exit code 2. Comparison specs ([compare] and [[method]]) are checked
+    method by method.
+    """
+    from eblvm_core.build import dry_run
 
     bad = 0
     for path in recipes:
         try:
-            load_recipe(path, override)
+            for warning in dry_run(path, override, check_data):
+                typer.echo(f"warning: {path}: {warning}", err=True)
             typer.echo(f"ok: {path}")
-        except ConfigError as exc:
+        except EblvmError as exc:
             typer.echo(f"error: {exc}", err=True)
             bad += 1
     if bad:
@@ -97,8 +104,10 @@ def plugins() -> None:
 
 
 def _check_device(device: Optional[str]) -> None:
-    if device not in (None, "cpu", "cuda", "auto"):
-        fail(f"--device must be cpu, cuda or auto, got '{device}'")
+    import re
+
+    if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device):
+        fail(f"--device must be auto, cpu, cuda, cuda:N or mps, got '{device}'")
 
 
 @app.command("eval")
@@ -107,7 +116,7 @@ def eval_run(
     checkpoint: str = typer.Option("last", help="last, best (needs [run] select_metric) or a checkpoint path"),
     evaluator: list[str] = typer.Option([], "--evaluator", "-e", help="evaluator name, run with its default config; repeatable (default: the recipe's [[eval]])"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value applied to the recipe; repeatable"),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: the recipe's)"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of every RNG before evaluating"),
 ) -> None:
     """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl."""
@@ -134,7 +143,7 @@ def sample(
     out: Optional[Path] = typer.Option(None, help="image file (default RUN_DIR/samples.png)"),
     checkpoint: str = typer.Option("last", help="last, best or a checkpoint path"),
     sampler: Optional[str] = typer.Option(None, help="sampler name (default: the recipe's [sampler], else the model's default)"),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: the recipe's)"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of the sampler"),
 ) -> None:
     """Draw samples from a trained model and save them as an image (a scatter for 2-D data)."""
@@ -163,7 +172,7 @@ def compare(
     steps: Optional[int] = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
     out: Optional[Path] = typer.Option(None, help="results folder (default results/<name>)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda or auto (default: each recipe's)"),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
 ) -> None:
     """Run a set of recipes over seeds; write a Markdown table, a figure and results.json."""
     _check_device(device)
@@ -178,10 +187,19 @@ def compare(
 
 
 def main() -> None:
-    from eblvm_core.plugins import load
+    """The ``eblvm`` entry point. Plugins (and torch) load only for commands that need them, so
+    ``eblvm --help`` and ``eblvm <command> --help`` start fast; a plugin command that would
+    shadow a built-in one is refused."""
+    builtin = {command.name or command.callback.__name__ for command in app.registered_commands}
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    if command is not None and command not in builtin:
+        from eblvm_core.plugins import load
 
-    for name, fn, _plugin in load().commands:
-        app.command(name)(fn)
+        for name, fn, plugin in load().commands:
+            if name in builtin:
+                typer.echo(f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True)
+            else:
+                app.command(name)(fn)
     app()
 
 

@@ -1,11 +1,12 @@
 """The interfaces every component implements.
 
-Shapes are per batch ``B``; ``d`` is the visible dimension (flattened), ``m`` the latent one.
-Energies follow the sign convention p(v, h) ∝ exp(-E(v, h)): lower energy, higher density.
+Shapes are per batch ``B``: v is (B, *event_shape) (vectors (B, d), images (B, C, H, W); d is
+the flattened size), h is (B, m). Energies follow the sign convention p(v, h) ∝ exp(-E(v, h)): lower energy, higher density.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
@@ -13,8 +14,10 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from eblvm_core.registry import SECTION_KINDS
+
 ScoreField = Callable[[Tensor], Tensor]
-"""A callable x (B, d) -> estimate of ∇_x log p(x) (B, d), differentiable in x and θ."""
+"""A callable x (B, *event_shape) -> estimate of ∇_x log p(x), shaped like x, differentiable in x and θ."""
 
 
 @attrs.frozen
@@ -28,7 +31,8 @@ class LatentSpec:
 class EnergyModel(nn.Module):
     """An energy-based (latent variable) model p(v, h; θ) = exp(-E(v, h; θ)) / Z(θ).
 
-    Subclasses set ``latent`` (None for fully visible models) and implement ``energy``.
+    Subclasses set ``latent`` (None for fully visible models, whose ``energy`` ignores h) and
+    implement ``energy``.
     Models where h can be summed out also implement ``free_energy``; that unlocks the
     exact marginal score, exact-score baselines and exact likelihoods.
     """
@@ -36,11 +40,11 @@ class EnergyModel(nn.Module):
     latent: LatentSpec | None = None
 
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
-        """E(v, h; θ): v (B, d), h (B, m) -> (B,)."""
+        """E(v, h; θ): v (B, *event_shape), h (B, m) -> (B,)."""
         raise NotImplementedError
 
     def free_energy(self, v: Tensor) -> Tensor:
-        """F(v; θ) = -log Σ_h exp(-E(v, h)): v (B, d) -> (B,). Optional."""
+        """F(v; θ) = -log Σ_h exp(-E(v, h)): v (B, *event_shape) -> (B,). Optional."""
         raise NotImplementedError(f"{type(self).__name__} has no tractable free energy")
 
     @property
@@ -49,7 +53,7 @@ class EnergyModel(nn.Module):
 
 
 def exact_score(model: EnergyModel, v: Tensor, create_graph: bool = True) -> Tensor:
-    """The marginal score ∇_v log p(v) = -∇_v F(v): v (B, d) -> (B, d).
+    """The marginal score ∇_v log p(v) = -∇_v F(v), shaped like v.
 
     The graph w.r.t. ``v`` and θ is kept when ``create_graph`` is true, so the result can be
     differentiated again (SM, SSM) or trained through.
@@ -65,14 +69,14 @@ class Posterior(nn.Module):
     """A variational posterior q(h | v; φ)."""
 
     def rsample(self, v: Tensor, n: int = 1) -> Tensor:
-        """n samples, differentiable in φ: v (B, d) -> h (n, B, m).
+        """n samples, differentiable in φ: v (B, ...) -> h (n, B, m).
 
         Reparameterised for continuous h; a Gumbel-softmax relaxation for Bernoulli h.
         """
         raise NotImplementedError
 
     def sample(self, v: Tensor, n: int = 1) -> Tensor:
-        """n exact samples, not differentiable: v (B, d) -> h (n, B, m).
+        """n exact samples, not differentiable: v (B, ...) -> h (n, B, m).
 
         Defaults to detached ``rsample``; posteriors whose ``rsample`` is a relaxation (Bernoulli)
         override it with exact draws.
@@ -81,11 +85,11 @@ class Posterior(nn.Module):
             return self.rsample(v, n)
 
     def log_prob(self, h: Tensor, v: Tensor) -> Tensor:
-        """log q(h | v): h (..., B, m), v (B, d) -> (..., B)."""
+        """log q(h | v): h (..., B, m), v (B, ...) -> (..., B)."""
         raise NotImplementedError
 
     def mean(self, v: Tensor) -> Tensor:
-        """E_q[h | v]: v (B, d) -> (B, m)."""
+        """E_q[h | v]: v (B, ...) -> (B, m)."""
         raise NotImplementedError
 
     def rsample_and_log_prob(self, v: Tensor, n: int = 1) -> tuple[Tensor, Tensor]:
@@ -107,7 +111,7 @@ class ScoreObjective:
     value_only: bool = False
 
     def points(self, v: Tensor) -> tuple[Tensor, Any]:
-        """Where the score is needed: v (B, d) -> (x (B', d), context)."""
+        """Where the score is needed: v (B, ...) -> (x (B', ...), context)."""
         return v, None
 
     def loss(self, score: ScoreField, x: Tensor, context: Any) -> Tensor:
@@ -117,7 +121,7 @@ class ScoreObjective:
         return self.loss_at(x, score(x), context)
 
     def loss_at(self, x: Tensor, s: Tensor, context: Any) -> Tensor:
-        """Per-sample losses (B',) from score values s (B', d) at the points x."""
+        """Per-sample losses (B',) from score values s at the points x (both (B', ...))."""
         raise NotImplementedError(f"{type(self).__name__} needs the score's Jacobian")
 
 
@@ -131,24 +135,31 @@ class Divergence:
     requires_continuous_latent: bool = False
 
     def __call__(self, model: EnergyModel, posterior: Posterior, v: Tensor) -> Tensor:
-        """v (B, d) -> (B,); differentiable in φ (and in θ)."""
+        """v (B, ...) -> (B,); differentiable in φ (and in θ)."""
         raise NotImplementedError
 
 
 class Estimator:
     """A learning algorithm: one call to ``step`` consumes one batch and updates parameters.
 
-    ``step`` returns scalar metrics (floats); the key ``loss`` is the training loss that the
-    trainer watches for NaN/Inf. ``optimizers`` names the optimizers it steps (made with
-    ``parts.make_optimizer``) so the trainer checkpoints them. Extra state to checkpoint (persistent chains, counters)
-    goes through ``state_dict`` / ``load_state_dict``; the model, posterior and optimizers
-    are checkpointed by the trainer.
+    ``roles`` names the optimizers it trains, one per role (``model``, ``posterior``; BiDVL:
+    ``energy``, ``encoder``, ``generator``); the recipe gives ``[optim.<role>]`` for each, no
+    more and no fewer. The estimator makes each with ``parts.make_optimizer(role, params)`` and
+    keeps it in ``optimizers[role]``; the trainer checkpoints, restores, NaN-checks, schedules
+    and logs every role the same way (``lr/<role>``, ``grad_norm/<role>``). ``precisions``
+    lists the ``[run] precision`` values it supports (fp32 only unless a test shows more is
+    safe). ``step`` returns metrics as floats or 0-d tensors (tensors avoid a host
+    synchronisation per step); the key ``loss`` is the training loss the trainer watches for
+    NaN/Inf. Extra state to checkpoint (persistent chains, counters) goes through
+    ``state_dict`` / ``load_state_dict``.
     """
 
+    roles: tuple[str, ...] = ("model",)
+    precisions: tuple[str, ...] = ("fp32",)
     optimizers: dict[str, torch.optim.Optimizer] = {}
 
-    def step(self, batch: Tensor) -> dict[str, float]:
-        """batch (B, d) -> metrics; updates parameters through ``eblvm_core.optim.apply_update``."""
+    def step(self, batch: Tensor) -> dict[str, float | Tensor]:
+        """batch (B, *event_shape) -> metrics; updates parameters through ``eblvm_core.optim.apply_update``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -158,28 +169,77 @@ class Estimator:
         """Restore what ``state_dict`` returned."""
 
 
+Split = Literal["train", "val", "test"]
+
+
 @attrs.frozen
 class DataSplits:
-    """A dataset held as tensors: train (N, *shape); val and test alike or None.
+    """A data set: train, test and (optionally) val splits of examples shaped ``event_shape``.
 
-    ``bounds`` is the box the data lives in, ((low, high) per dimension) where known; plots
-    and grid integrals use it. ``image_shape`` is the (C, H, W) of one example when the data
-    are images stored flat (train (N, C·H·W)), so evaluators can reshape them; else None.
+    A split is a tensor (N, *event_shape) held in memory (moved to the run's device; float, or
+    uint8 images that ``prepare`` maps to floats), or a ``torch.utils.data.Dataset`` of
+    examples read by ``workers`` DataLoader processes (image folders). ``prepare`` maps a raw
+    batch to model input on the device (uint8 -> float in the data set's value range; the
+    identity for float data); ``augment(batch, generator)`` draws the training-time random
+    transforms (flips, dequantisation noise), reproducibly from the generator. Images are
+    (C, H, W). ``bounds`` is the box the data live in ((low, high) per flattened dimension)
+    where known; plots and grid integrals use it.
     """
 
-    train: Tensor
-    test: Tensor
-    val: Tensor | None = None
+    train: Any
+    test: Any
+    val: Any = None
     bounds: tuple[tuple[float, float], ...] | None = None
-    image_shape: tuple[int, ...] | None = None
+    event_shape: tuple[int, ...] = attrs.field(default=None, converter=lambda s: None if s is None else tuple(s))
+    prepare: Callable[[Tensor], Tensor] | None = None
+    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
+    workers: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.event_shape is None:
+            first = self.train[0]
+            object.__setattr__(self, "event_shape", tuple(first.shape))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.train.shape[1:])
+        return self.event_shape
 
     @property
     def dim(self) -> int:
-        return int(self.train[0].numel())
+        """d: numbers per example (the flattened event shape)."""
+        return math.prod(self.event_shape)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """(C, H, W) when the examples are images, else None."""
+        return self.event_shape if len(self.event_shape) == 3 else None
+
+    def has(self, split: str) -> bool:
+        return getattr(self, split, None) is not None
+
+    def size(self, split: str = "train") -> int:
+        return len(getattr(self, split))
+
+    def tensor(self, split: str = "test", n: int | None = None) -> Tensor:
+        """The first ``n`` (default all) examples of a split, prepared: (n, *event_shape) floats.
+
+        In-memory splits stay on their device; examples read from a Dataset are stacked on the CPU.
+        """
+        store = getattr(self, split)
+        if store is None:
+            raise ValueError(f"the data set has no '{split}' split")
+        n = len(store) if n is None else min(n, len(store))
+        raw = store[:n] if isinstance(store, Tensor) else torch.stack([store[i] for i in range(n)])
+        return self.prepare(raw) if self.prepare is not None else raw
+
+    @classmethod
+    def stand_in(cls, event_shape: tuple[int, ...], bounds: tuple[float, float] = (0.0, 1.0), n: int = 64) -> "DataSplits":
+        """Uniform noise of the right shape inside ``bounds``: what a data set returns to ``validate``
+        (``parts.dry_run``) when its files are absent, so the rest of the recipe can be checked."""
+        g = torch.Generator().manual_seed(0)
+        lo, hi = bounds
+        x = lo + (hi - lo) * torch.rand(n, *event_shape, generator=g)
+        return cls(train=x, test=x[: n // 2], val=x[n // 2 :], bounds=(bounds,) * math.prod(event_shape))
 
 
 @attrs.frozen
@@ -199,15 +259,36 @@ class EvalResult:
 
 @runtime_checkable
 class Evaluator(Protocol):
+    """Evaluates the run's live parts. An evaluator may also carry ``reports``: the scalar keys
+    it returns (``validate`` checks ``[run] select_metric`` against them before training)."""
+
     def __call__(self, parts: Any) -> EvalResult:
         """Evaluate the run's live parts (model, posterior, data, device...)."""
+
+
+def reporting(keys: Any) -> Callable[[Callable[..., EvalResult]], Callable[..., EvalResult]]:
+    """Decorator for an evaluate function: declares the scalar keys it reports (``reports``)."""
+
+    def mark(fn: Callable[..., EvalResult]) -> Callable[..., EvalResult]:
+        fn.reports = tuple(keys)  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+class Schedule:
+    """A learning-rate schedule: the rate of a role's optimizer before each training step."""
+
+    def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
+        """The learning rate at training step ``step`` (0-based) of ``total_steps``."""
+        raise NotImplementedError
 
 
 class Sampler:
     """Draws samples of v from a model."""
 
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """n samples (n, d)."""
+        """n samples (n, *event_shape)."""
         raise NotImplementedError
 
 
@@ -224,33 +305,66 @@ class Logger:
         """Flush and release resources."""
 
 
-@attrs.define
 class Parts:
-    """The live parts of a run, filled in build order; factories read what they need.
+    """The live parts of a run, built in the order of ``eblvm_core.registry.KINDS``: data, model,
+    posterior, generator, objective, divergence, sampler, then the estimator.
 
-    Order: data, model, posterior, objective, divergence, optimizers, estimator, evaluators.
-    ``optimizers`` maps a name ("model", "posterior") to a factory params -> Optimizer, so an
-    estimator decides which parameters each optimizer owns.
+    The part of recipe section ``[name]`` is ``parts.name`` (None when the recipe has no such
+    section); ``parts.need(name, section)`` returns it or raises the ConfigError that names the
+    section that needed it. ``optimizer_factories`` maps a role to a factory params -> optimizer
+    (the recipe's ``[optim.<role>]``); ``dry_run`` is true while ``eblvm validate`` builds the
+    recipe (no training: a data set whose files are absent may return ``DataSplits.stand_in``
+    after ``warn``-ing).
     """
 
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32
-    data: DataSplits | None = None
-    model: EnergyModel | None = None
-    posterior: Posterior | None = None
-    objective: ScoreObjective | None = None
-    divergence: Divergence | None = None
-    optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] = attrs.field(factory=dict)
-    estimator: Estimator | None = None
-    samplers: dict[str, Sampler] = attrs.field(factory=dict)
-    run_dir: Any = None
+    def __init__(self, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
+                 optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
+                 run_dir: Any = None, dry_run: bool = False, **components: Any):
+        unknown = set(components) - set(SECTION_KINDS)
+        if unknown:
+            raise TypeError(f"Parts has no section {sorted(unknown)}; sections: {sorted(SECTION_KINDS)}")
+        self.device, self.dtype, self.run_dir, self.dry_run = device, dtype, run_dir, dry_run
+        self.optimizer_factories = dict(optimizer_factories or {})
+        self.strict_roles = False  # set by the builder: a role without [optim.<role>] is then an error
+        self.missing_roles: list[str] = []
+        self.warnings: list[str] = []
+        self.components: dict[str, Any] = dict(components)
 
-    def make_optimizer(self, name: str, params: Any) -> torch.optim.Optimizer:
-        """The optimizer of recipe section [optim.<name>] over ``params`` (Adam, lr 1e-3, if absent)."""
-        factory = self.optimizer_factories.get(name)
-        if factory is None:
-            return torch.optim.Adam(params, lr=1e-3)
-        return factory(params)
+    def __getattr__(self, name: str) -> Any:
+        if name in SECTION_KINDS:
+            return self.__dict__.get("components", {}).get(name)
+        raise AttributeError(f"Parts has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in SECTION_KINDS:
+            self.components[name] = value
+        else:
+            object.__setattr__(self, name, value)
+
+    def evolve(self, **changes: Any) -> "Parts":
+        """A shallow copy with some parts replaced (e.g. a private copy of the posterior)."""
+        other = copy.copy(self)
+        object.__setattr__(other, "components", {**self.components})
+        for name, value in changes.items():
+            setattr(other, name, value)
+        return other
+
+    def networks(self) -> dict[str, nn.Module]:
+        """The trainable networks by section (model, posterior, generator...): what checkpoints hold."""
+        return {name: part for name, part in self.components.items() if isinstance(part, nn.Module)}
+
+    def make_optimizer(self, role: str, params: Any) -> torch.optim.Optimizer:
+        """The optimizer of recipe section [optim.<role>] over ``params``.
+
+        A role without a factory gets Adam at 1e-3: outside a recipe (parts built by hand) that
+        is the default; in a recipe (``strict_roles``) the builder then reports the missing section.
+        """
+        factory = self.optimizer_factories.get(role)
+        if factory is not None:
+            return factory(params)
+        if self.strict_roles:
+            self.missing_roles.append(role)
+        return torch.optim.Adam(params, lr=1e-3)
 
     def need(self, name: str, section: str, key: str = "kind") -> Any:
         """The part ``name`` or a ConfigError naming the section that needed it."""
@@ -260,3 +374,7 @@ class Parts:
         if value is None:
             raise ConfigError(section, key, f"this component needs a [{name}] section")
         return value
+
+    def warn(self, message: str) -> None:
+        """Note something the user should know that is not an error (``validate`` prints it)."""
+        self.warnings.append(message)

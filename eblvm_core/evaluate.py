@@ -23,7 +23,7 @@ from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, load_recipe, with_run
-from eblvm_core.trainer import best_checkpoint
+from eblvm_core.trainer import Trainer, best_checkpoint
 
 
 @attrs.define
@@ -60,8 +60,9 @@ def load_run(run_dir: str | Path, checkpoint: str = "last", device: str | None =
              overrides: list[str] = (), seed: int = 0) -> LoadedRun:
     """Rebuild the run in ``run_dir`` on ``device`` (default: the recipe's) and load a checkpoint.
 
-    The model, posterior and estimator state (e.g. NCE's log-normaliser, PCD's chains) are
-    restored; optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations
+    The networks, the estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA
+    of each role that keeps one are restored by the trainer's own code, and the EMA weights put
+    in place; optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations
     and samples are repeatable.
     """
     run_dir = Path(run_dir)
@@ -74,14 +75,11 @@ def load_run(run_dir: str | Path, checkpoint: str = "last", device: str | None =
     path = resolve_checkpoint(run_dir, checkpoint)
     torch_device = pick_device(recipe.run.device)
     built = build(recipe, torch_device)
-    state = ckpt.load(path, map_location=torch_device)
-    parts = built.parts
-    parts.model.load_state_dict(state["model"])
-    if parts.posterior is not None and state.get("posterior") is not None:
-        parts.posterior.load_state_dict(state["posterior"])
-    parts.estimator.load_state_dict(state["estimator"])
+    trainer = Trainer(recipe, built, run_dir, echo=lambda _line: None)
+    trainer.restore(ckpt.load(path, map_location=torch_device), training=False)
+    trainer.use_ema()
     ckpt.seed_everything(seed)
-    return LoadedRun(run_dir, recipe, built, int(state["step"]), checkpoint, seed)
+    return LoadedRun(run_dir, recipe, built, trainer.step, checkpoint, seed)
 
 
 def default_sections(names: list[str]) -> list[Section]:
@@ -135,8 +133,8 @@ def pick_sampler(run: LoadedRun, name: str | None = None) -> Sampler:
     ``default_for`` attribute, e.g. ``gibbs`` for ``grbm``). Named or default samplers use
     their default configs."""
     registry = load()["samplers"]
-    if name is None and "default" in run.parts.samplers:
-        return run.parts.samplers["default"]
+    if name is None and run.parts.sampler is not None:
+        return run.parts.sampler
     if name is None:
         model_kind = run.recipe.parts["model"].kind
         candidates = [e.name for e in registry.entries() if model_kind in getattr(e.factory, "default_for", ())]
@@ -192,13 +190,14 @@ def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
         shape = (side, side) if side * side == flat.shape[1] else (1, flat.shape[1])
     if len(shape) == 2:
         shape = (1, *shape)
-    lo, hi = (0.0, 1.0) if data is None else (float(data.train.min()), float(data.train.max()))
+    reference = None if data is None else data.tensor("train", 10000)
+    lo, hi = (0.0, 1.0) if reference is None else (float(reference.min()), float(reference.max()))
     images = ((flat - lo) / max(hi - lo, 1e-12)).clamp(0, 1).reshape(n, *shape)
     return make_grid(images, nrow=max(1, math.isqrt(n)), padding=2, pad_value=1.0)
 
 
 def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor]:
-    """(samples (n, d), their image) from the run's model."""
+    """(samples (n, *event_shape), their image) from the run's model."""
     chosen = pick_sampler(run, sampler)
     generator = torch.Generator(device=run.parts.device).manual_seed(run.seed)
     samples = chosen.sample(run.parts.model, n, generator)

@@ -1,33 +1,41 @@
-"""Optimizers (registered by the core itself) and the one helper estimators update through."""
+"""Optimizers and learning-rate schedules (registered by the core itself) and ``apply_update``,
+the one helper every parameter update goes through."""
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Iterable, Literal
 
 import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
+from eblvm_core.config import in_range, non_negative, option, positive
+from eblvm_core.contracts import Schedule
 from eblvm_core.hookspecs import hookimpl
+
+
+def _beta(_inst: object, _attr: object, value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"must be in [0, 1), got {value}")
 
 
 @attrs.frozen
 class AdamConfig:
-    lr: float = option(1e-3, "learning rate", positive)
-    beta1: float = option(0.9, "first-moment decay")
-    beta2: float = option(0.999, "second-moment decay")
+    lr: float = option(1e-3, "learning rate (the base rate of the role's schedule)", positive)
+    beta1: float = option(0.9, "first-moment decay, in [0, 1)", _beta)
+    beta2: float = option(0.999, "second-moment decay, in [0, 1)", _beta)
     eps: float = option(1e-8, "denominator offset", positive)
     weight_decay: float = option(0.0, "L2 penalty", non_negative)
-    max_grad_norm: float | None = option(None, "clip the gradient norm to this value")
+    max_grad_norm: float | None = option(None, "clip the gradient norm to this value (> 0)", positive)
 
 
 @attrs.frozen
 class SGDConfig:
-    lr: float = option(1e-2, "learning rate", positive)
+    lr: float = option(1e-2, "learning rate (the base rate of the role's schedule)", positive)
     momentum: float = option(0.0, "momentum", non_negative)
     weight_decay: float = option(0.0, "L2 penalty", non_negative)
-    max_grad_norm: float | None = option(None, "clip the gradient norm to this value")
+    max_grad_norm: float | None = option(None, "clip the gradient norm to this value (> 0)", positive)
 
 
 def adam(cfg: AdamConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
@@ -51,30 +59,118 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None, measure: bool = True) -> float:
+def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -> Tensor:
     """Backward ``loss`` into the optimizer's parameters (if given), clip, and step.
 
     With ``loss`` the gradients of the optimizer's parameters are replaced (zeros where the
-    loss does not reach), so a caller that fills ``.grad`` itself passes ``loss=None``. Returns the gradient norm before
-    clipping, or NaN when ``measure`` is false and there is no clipping (which saves work).
+    loss does not reach); a caller that fills ``.grad`` itself passes ``loss=None``. Under
+    fp16 (the optimizer carries a ``grad_scaler``) the loss is scaled, the gradients unscaled,
+    and a step with non-finite gradients skipped. Returns the gradient norm before clipping as
+    a 0-d tensor (no host synchronisation) and adds it to the optimizer's running
+    ``grad_norm_sum`` / ``grad_norm_count``, which the trainer logs as ``grad_norm/<role>``.
     """
     params = [p for p in optimizer_params(optimizer) if p.requires_grad]
+    scaler = getattr(optimizer, "grad_scaler", None)
     if loss is not None:
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads = torch.autograd.grad(loss if scaler is None else scaler.scale(loss), params, allow_unused=True)
         for p, g in zip(params, grads):
             p.grad = g if g is not None else torch.zeros_like(p)
-    max_norm = getattr(optimizer, "max_grad_norm", None)
+    elif scaler is not None:
+        raise ValueError("under fp16 apply_update needs the loss, to scale it")
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     with_grad = [p for p in params if p.grad is not None]
-    norm = float("nan")
-    if max_norm is not None:
-        norm = float(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
-    elif measure:
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in with_grad])) if with_grad else 0.0
-    optimizer.step()
+    max_norm = getattr(optimizer, "max_grad_norm", None)
+    if not with_grad:
+        norm = torch.zeros(())
+    elif max_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+    norm = norm.detach()
+    optimizer.grad_norm_sum = getattr(optimizer, "grad_norm_sum", 0.0) + norm  # type: ignore[attr-defined]
+    optimizer.grad_norm_count = getattr(optimizer, "grad_norm_count", 0) + 1  # type: ignore[attr-defined]
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     return norm
+
+
+# ---- schedules ----------------------------------------------------------------------------------
+
+
+class Constant(Schedule):
+    """The base rate throughout."""
+
+    def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
+        return base_lr
+
+
+@attrs.frozen
+class CosineConfig:
+    warmup_steps: int = option(0, "steps of linear warm-up from base_lr/warmup_steps to the base rate", non_negative)
+    min_lr: float = option(0.0, "the rate reached at the last step (the papers: 1e-6)", non_negative)
+    total_steps: int | None = option(None, "steps the decay spans; None: the run's steps", positive)
+
+
+@attrs.define
+class Cosine(Schedule):
+    """Linear warm-up, then half a cosine from the base rate down to ``min_lr``."""
+
+    cfg: CosineConfig
+
+    def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
+        warm, total = self.cfg.warmup_steps, self.cfg.total_steps or total_steps
+        if step < warm:
+            return base_lr * (step + 1) / warm
+        t = min(1.0, (step - warm) / max(1, total - 1 - warm))
+        return self.cfg.min_lr + (base_lr - self.cfg.min_lr) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+@attrs.frozen
+class ExponentialConfig:
+    gamma: float = option(help="factor applied to the rate once per period, in (0, 1]", validator=in_range(1e-12, 1.0))
+    every: Literal["step", "epoch"] = option("epoch", "the period: one training step or one epoch of the training split")
+
+
+@attrs.define
+class Exponential(Schedule):
+    """base_lr · gammaᵏ after k whole periods (steps or epochs)."""
+
+    cfg: ExponentialConfig
+
+    def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
+        periods = step if self.cfg.every == "step" else step // max(1, steps_per_epoch)
+        return base_lr * self.cfg.gamma**periods
+
+
+def constant(cfg: object, parts: object) -> Constant:
+    """Constant learning rate (the default)."""
+    return Constant()
+
+
+def cosine(cfg: CosineConfig, parts: object) -> Cosine:
+    """Cosine decay to a floor after an optional linear warm-up."""
+    return Cosine(cfg)
+
+
+def exponential(cfg: ExponentialConfig, parts: object) -> Exponential:
+    """Exponential decay per step or per epoch."""
+    return Exponential(cfg)
 
 
 @hookimpl
 def register_optimizers(register):
     register("adam", adam, AdamConfig)
     register("sgd", sgd, SGDConfig)
+
+
+@hookimpl
+def register_schedules(register):
+    from eblvm_core.registry import NoConfig
+
+    register("constant", constant, NoConfig)
+    register("cosine", cosine, CosineConfig)
+    register("exponential", exponential, ExponentialConfig)

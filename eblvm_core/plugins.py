@@ -1,8 +1,13 @@
 """The plugin manager: every plugin, bundled or third-party, arrives through the ``eblvm``
-entry-point group (bundled ones are declared in eblvm's own pyproject).
+entry-point group (bundled ones are declared in eblvm's own pyproject) and registers its
+components through pluggy hooks.
 
-``EBLVM_LOAD_PLUGINS`` (comma-separated entry-point names) pins which load; unset, all do.
-A plugin that fails to import or register is reported by name and skipped.
+Bundled plugins register before third-party ones, so a third-party plugin cannot take over a
+bundled name: registering a taken name fails that plugin, naming both. ``EBLVM_LOAD_PLUGINS``
+(comma-separated entry-point names) pins which load; unset, all do. ``EBLVM_PLUGIN_MODULES``
+(comma-separated module names) loads modules as plugins without packaging them (a plugin in
+development, a test). A plugin that fails to import or register is reported by name and its
+components are withdrawn; the others keep working.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import importlib
 import os
 import sys
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import pluggy
@@ -20,6 +25,7 @@ from eblvm_core import hookspecs
 from eblvm_core.registry import KINDS, Registry
 
 GROUP = "eblvm"
+DISTRIBUTION = "eblvm"  # the distribution whose entry points are the bundled plugins
 BUILTIN = {"core": "eblvm_core.optim"}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
 
 
@@ -32,12 +38,12 @@ class PluginInfo:
 
 @attrs.define
 class Loaded:
-    """Registries per kind, what each plugin registered, and the plugins that failed."""
+    """Registries per kind, what each plugin registered, the plugins that failed, and plugin commands."""
 
     registries: dict[str, Registry]
     plugins: list[PluginInfo]
     failed: dict[str, str]
-    commands: list[tuple[str, Any, str]]
+    commands: list[tuple[str, Callable[..., Any], str]]
 
     def __getitem__(self, kind: str) -> Registry:
         return self.registries[kind]
@@ -46,73 +52,82 @@ class Loaded:
 _loaded: Loaded | None = None
 
 
-def _selected(names: list[str]) -> set[str]:
+def _wanted(names: list[str]) -> set[str]:
     pinned = os.environ.get("EBLVM_LOAD_PLUGINS")
     if pinned is None:
         return set(names)
     return {n.strip() for n in pinned.split(",") if n.strip()}
 
 
+def _candidates(failed: dict[str, str]) -> list[tuple[str, str, Callable[[], Any]]]:
+    """(name, module path, loader) of every plugin to load: the core, bundled, third-party, extra modules."""
+    eps = {ep.name: ep for ep in entry_points(group=GROUP)}
+    wanted = _wanted(list(eps))
+    for name in sorted(wanted - set(eps)):
+        failed[name] = "named in EBLVM_LOAD_PLUGINS but not installed"
+
+    def bundled_first(name: str) -> tuple[bool, str]:
+        dist = getattr(eps[name], "dist", None)
+        return (getattr(dist, "name", None) != DISTRIBUTION, name)
+
+    found = [(name, module, lambda m=module: importlib.import_module(m)) for name, module in BUILTIN.items()]
+    found += [(name, eps[name].value, eps[name].load) for name in sorted(wanted & set(eps), key=bundled_first)]
+    extra = [m.strip() for m in os.environ.get("EBLVM_PLUGIN_MODULES", "").split(",") if m.strip()]
+    found += [(module, module, lambda m=module: importlib.import_module(m)) for module in extra]
+    return found
+
+
 def load(force: bool = False, warn: bool = True) -> Loaded:
-    """Load plugins once (cached) and fill the registries."""
+    """Load plugins once (cached) and fill the registries through the hooks."""
     global _loaded
     if _loaded is not None and not force:
         return _loaded
-    pm = pluggy.PluginManager("eblvm")
+    pm = pluggy.PluginManager(GROUP)
     pm.add_hookspecs(hookspecs)
-    eps = {ep.name: ep for ep in entry_points(group=GROUP)}
-    wanted = _selected(list(eps))
     failed: dict[str, str] = {}
-    for name in sorted(wanted - set(eps)):
-        failed[name] = "named in EBLVM_LOAD_PLUGINS but not installed"
-    modules = {}
-    for name, module_name in BUILTIN.items():
-        pm.register(importlib.import_module(module_name), name=name)
-        modules[name] = module_name
-    for name in sorted(wanted & set(eps)):
+    modules: dict[str, str] = {}
+    for name, module_path, loader in _candidates(failed):
         try:
-            module = eps[name].load()
-            pm.register(module, name=name)
-        except Exception as exc:  # a broken plugin must not take the others down
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        try:
+            pm.register(loader(), name=name)
             pm.check_pending()  # a hook name that matches no hookspec (a typo)
         except pluggy.PluginValidationError as exc:
-            pm.unregister(name=name)
+            if pm.get_plugin(name) is not None:
+                pm.unregister(name=name)
             failed[name] = str(exc).split(" in plugin ")[0]
-            continue
-        modules[name] = eps[name].value
-
-    registries = {kind: Registry(kind) for kind in KINDS}
-    infos: list[PluginInfo] = []
-    commands: list[tuple[str, Any, str]] = []
-    for name in modules:
-        plugin = pm.get_plugin(name)
-        info = PluginInfo(name, modules[name])
-        try:
-            for kind in KINDS:
-                hook = getattr(plugin, f"register_{kind}", None)
-                if hook is None:
-                    continue
-                registry = registries[kind]
-                registry.current_plugin = name
-                before = set(registry.names())
-                hook(register=registry.add)
-                added = sorted(set(registry.names()) - before)
-                if added:
-                    info.components[kind] = added
-            cmd_hook = getattr(plugin, "register_commands", None)
-            if cmd_hook is not None:
-                cmd_hook(register=lambda fn, name_=None, _p=name: commands.append((name_ or fn.__name__.replace("_", "-"), fn, _p)))
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a broken plugin must not take the others down
             failed[name] = f"{type(exc).__name__}: {exc}"
-            continue
-        infos.append(info)
+        else:
+            modules[name] = module_path
+
+    registries = {kind.name: Registry(kind.name) for kind in KINDS}
+    infos = {name: PluginInfo(name, path) for name, path in modules.items()}
+    commands: list[tuple[str, Callable[..., Any], str]] = []
+    hooks = [(kind.name, getattr(pm.hook, f"register_{kind.name}")) for kind in KINDS]
+    for kind, caller in hooks:
+        for impl in caller.get_hookimpls():  # in registration order: the core, bundled, third-party
+            name = impl.plugin_name
+            if name in failed:
+                continue
+            registry = registries[kind]
+            before = set(registry.names())
+            try:
+                impl.function(register=lambda *args, _r=registry, _p=name, **kw: _r.add(*args, plugin=_p, **kw))
+            except (Exception, SystemExit) as exc:
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                for other in registries.values():
+                    other.withdraw(name)
+                continue
+            added = sorted(set(registry.names()) - before)
+            if added:
+                infos[name].components.setdefault(kind, []).extend(added)
+    for impl in pm.hook.register_commands.get_hookimpls():
+        if impl.plugin_name not in failed:
+            impl.function(register=lambda fn, name=None, _p=impl.plugin_name: commands.append(
+                (name or fn.__name__.replace("_", "-"), fn, _p)))
     if warn:
         for name, why in failed.items():
             print(f"eblvm: plugin '{name}' failed to load and was skipped: {why}", file=sys.stderr)
-    _loaded = Loaded(registries, infos, failed, commands)
+    _loaded = Loaded(registries, [i for n, i in infos.items() if n not in failed], failed, commands)
     return _loaded
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -9,10 +10,22 @@ from typing import Any, Literal
 import attrs
 import cattrs
 
-from eblvm_core.config import non_negative, option, positive, structure
+from eblvm_core.config import coerce, non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import Loaded, load
-from eblvm_core.registry import Entry, did_you_mean
+from eblvm_core.registry import KINDS, Entry, did_you_mean
+
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
+
+
+def _device(_inst: Any, _attr: Any, value: str) -> None:
+    if not DEVICE.fullmatch(value):
+        raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
+
+
+def _ema(_inst: Any, _attr: Any, value: float | None) -> None:
+    if value is not None and not 0.0 < value < 1.0:
+        raise ValueError(f"must be in (0, 1), got {value}")
 
 
 @attrs.frozen
@@ -23,8 +36,9 @@ class RunConfig:
     seed: int | None = option(None, "random seed; chosen at random and written back when absent")
     steps: int = option(1000, "number of training steps", positive)
     batch_size: int = option(100, "mini-batch size", positive)
-    device: Literal["auto", "cpu", "cuda"] = option("auto", "auto picks cuda when available")
-    dtype: Literal["float32", "float64"] = option("float32", "floating-point precision")
+    device: str = option("auto", "auto (cuda when available), cpu, cuda, cuda:N or mps", _device)
+    dtype: Literal["float32", "float64"] = option("float32", "dtype of parameters and data")
+    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "autocast precision of training steps (bf16, fp16 with a gradient scaler) for estimators that declare it safe")
     threads: int = option(0, "CPU threads for torch; 0 keeps torch's default (1 is fastest for small models)", non_negative)
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
@@ -33,19 +47,11 @@ class RunConfig:
     select_mode: Literal["max", "min"] = option("max", "whether a higher or a lower select_metric is better")
 
 
-# section -> registry kind; sections holding several components are handled apart
-SINGLE = {
-    "data": "datasets",
-    "model": "models",
-    "posterior": "posteriors",
-    "objective": "objectives",
-    "divergence": "divergences",
-    "estimator": "estimators",
-    "sampler": "samplers",
-}
-REQUIRED = ("data", "model", "estimator")
-LISTS = {"eval": "evaluators", "log": "loggers"}
+SINGLE = {k.section: k.name for k in KINDS if k.section is not None and not k.many}
+LISTS = {k.section: k.name for k in KINDS if k.section is not None and k.many}
+REQUIRED = tuple(k.section for k in KINDS if k.required)
 TOP_LEVEL = ["run", *SINGLE, "optim", *LISTS]
+OPTIM_KEYS = ("schedule", "ema")  # keys of [optim.<role>] that the core handles, not the optimizer
 DEFAULT_LOGGER = "tensorboard"  # used when a recipe has no [[log]] (write `log = []` for none)
 
 
@@ -63,11 +69,20 @@ class Section:
 
 
 @attrs.frozen
+class Role:
+    """One [optim.<role>] section: the optimizer, its learning-rate schedule and the EMA decay of the role's parameters."""
+
+    optimizer: Section
+    schedule: Section
+    ema: float | None = None
+
+
+@attrs.frozen
 class Recipe:
     path: str
     run: RunConfig
     parts: dict[str, Section]
-    optim: dict[str, Section]
+    optim: dict[str, Role]
     evals: list[Section]
     logs: list[Section]
 
@@ -82,7 +97,12 @@ class Recipe:
         out: dict[str, Any] = {"run": {k: v for k, v in conv.unstructure(self.run).items() if v is not None}}
         out.update({label: clean(s) for label, s in self.parts.items()})
         if self.optim:
-            out["optim"] = {name: clean(s) for name, s in self.optim.items()}
+            out["optim"] = {}
+            for name, role in self.optim.items():
+                body = {**clean(role.optimizer), "schedule": clean(role.schedule)}
+                if role.ema is not None:
+                    body["ema"] = role.ema
+                out["optim"][name] = body
         if self.evals:
             out["eval"] = [clean(s) for s in self.evals]
         if self.logs:
@@ -136,6 +156,22 @@ def _component(label: str, body: Any, kind: str, plugins: Loaded) -> Section:
     return Section(label, entry, structure(entry.config, values, label))
 
 
+def _role(name: str, body: Any, plugins: Loaded) -> Role:
+    label = f"optim.{name}"
+    if not isinstance(body, dict):
+        raise ConfigError(label, None, "must be a table")
+    body = dict(body)
+    schedule = body.pop("schedule", {"kind": "constant"})
+    ema = body.pop("ema", None)
+    if ema is not None:
+        try:
+            ema = float(coerce(ema, float))
+            _ema(None, None, ema)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(label, "ema", str(exc)) from None
+    return Role(_component(label, body, "optimizers", plugins), _component(f"{label}.schedule", schedule, "schedules", plugins), ema)
+
+
 def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> Recipe:
     """Check every section of a parsed recipe against the registries; raise ConfigError."""
     plugins = plugins or load()
@@ -154,7 +190,7 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
         optim_raw = raw.get("optim", {})
         if not isinstance(optim_raw, dict):
             raise ConfigError("optim", None, "must hold tables such as [optim.model]")
-        optim = {name: _component(f"optim.{name}", body, "optimizers", plugins) for name, body in optim_raw.items()}
+        optim = {name: _role(name, body, plugins) for name, body in optim_raw.items()}
         lists: dict[str, list[Section]] = {}
         for label, kind in LISTS.items():
             items = raw.get(label, [])

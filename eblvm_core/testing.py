@@ -63,7 +63,8 @@ def make(kind: str, name: str, parts: Any = None, **options: Any) -> Any:
 class LinearGaussianEBLVM(EnergyModel):
     """A linear-Gaussian EBLVM for exact checks: Gaussian v and h, bilinear coupling.
 
-    E(v, h) = ½λ‖v − b‖² + ½hᵀDh − vᵀWh − cᵀh with λ = exp(log_lam), D = diag(exp(log_d)).
+    E(v, h) = ½λ‖v − b‖² + ½hᵀDh − vᵀWh − cᵀh with λ = exp(log_lam), D = diag(exp(log_d));
+    v (B, d) or any (B, ...) that flattens to d.
     Its posterior is p(h|v) = N(D⁻¹(Wᵀv + c), D⁻¹) and its free energy is Gaussian in v, so the
     exact marginal score (and every score-matching gradient) is available by autograd.
     """
@@ -84,19 +85,19 @@ class LinearGaussianEBLVM(EnergyModel):
 
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
         """v (B, d), h (B, m) -> (B,)."""
-        lam, d = self.log_lam.exp(), self.log_d.exp()
+        lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
         return 0.5 * lam * ((v - self.b) ** 2).sum(-1) + 0.5 * (d * h * h).sum(-1) - ((v @ self.W) * h).sum(-1) - h @ self.c
 
     def free_energy(self, v: Tensor) -> Tensor:
         """F(v) = ½λ‖v − b‖² − ½ aᵀD⁻¹a + ½ Σ log d_j − (m/2) log 2π, a = Wᵀv + c."""
-        lam, d = self.log_lam.exp(), self.log_d.exp()
+        lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
         a = v @ self.W + self.c
         m = self.latent.dim
         return 0.5 * lam * ((v - self.b) ** 2).sum(-1) - 0.5 * (a * a / d).sum(-1) + 0.5 * self.log_d.sum() - 0.5 * m * math.log(2 * math.pi)
 
     def posterior_mean(self, v: Tensor) -> Tensor:
         """E[h | v] = D⁻¹(Wᵀv + c): (B, m)."""
-        return (v @ self.W + self.c) / self.log_d.exp()
+        return (v.flatten(1) @ self.W + self.c) / self.log_d.exp()
 
     def set_exact(self, posterior: nn.Module) -> None:
         """Make a linear Gaussian posterior (``gaussian`` with hidden=[]) equal p(h|v)."""
@@ -356,33 +357,63 @@ def check_objective(objective: ScoreObjective, identity: str = "fisher", *, d: i
     return {"at_truth": at_truth, "at_other": at_other}
 
 
+def _build_with_roles(raw: dict[str, Any], label: str) -> tuple[Any, Parts]:
+    """Validate and build a recipe; roles the estimator trains but the recipe leaves out get
+    ``[optim.<role>] kind = "adam"``, and sections of roles it does not train are dropped."""
+    from eblvm_core.build import build
+    from eblvm_core.errors import ConfigError
+    from eblvm_core.recipe import validate
+
+    for _ in range(8):
+        parsed = validate(raw, label)
+        try:
+            return parsed, build(parsed, torch.device("cpu")).parts
+        except ConfigError as exc:
+            section = exc.section or ""
+            if not section.startswith("optim."):
+                raise
+            role = section.removeprefix("optim.")
+            if exc.message.startswith("missing: estimator"):
+                raw.setdefault("optim", {})[role] = {"kind": "adam"}
+            elif exc.message.startswith("unknown role"):
+                del raw["optim"][role]
+            else:
+                raise
+    raise AssertionError(f"{label}: could not match the recipe's [optim.*] sections to the estimator's roles")
+
+
 def check_estimator(name: str, recipe: str | Path | dict, overrides: list[str] = (), seed: int = 0) -> dict[str, float]:
     """Build the recipe (its [estimator] kind set to ``name`` when absent) and take one step on a
-    training batch; assert it returns finite float metrics including "loss" (the trainer watches
-    it for NaN/Inf), changes the model's parameters, and keeps its optimizers in a dict of torch
-    optimizers (the trainer checkpoints them). Returns the metrics.
+    training batch; assert it returns finite metrics (floats or 0-d tensors) including "loss"
+    (the trainer watches it for NaN/Inf), keeps one torch optimizer per declared role (the
+    trainer checkpoints them), and changes parameters of every role. Returns the metrics as floats.
     """
-    from eblvm_core.build import build
     from eblvm_core.checkpoint import seed_everything
-    from eblvm_core.recipe import apply_override, validate
+    from eblvm_core.recipe import apply_override
 
     raw = _read_recipe(recipe)
     raw.setdefault("estimator", {"kind": name})
     assert raw["estimator"].get("kind") == name, f"the recipe's [estimator] kind is {raw['estimator'].get('kind')!r}, not {name!r}"
     for override in overrides:
         apply_override(raw, override)
-    parsed = validate(raw, f"<check_estimator {name}>")
     seed_everything(seed)
-    parts = build(parsed, torch.device("cpu")).parts
+    parsed, parts = _build_with_roles(raw, f"<check_estimator {name}>")
     estimator = parts.estimator
     assert isinstance(estimator.optimizers, dict) and all(isinstance(o, torch.optim.Optimizer) for o in estimator.optimizers.values()), \
-        f"{name}: optimizers must be a dict name -> torch optimizer (made with parts.make_optimizer)"
-    before = [p.detach().clone() for p in parts.model.parameters()]
-    metrics = estimator.step(parts.data.train[: parsed.run.batch_size])
+        f"{name}: optimizers must be a dict role -> torch optimizer (made with parts.make_optimizer)"
+    assert sorted(estimator.optimizers) == sorted(estimator.roles), f"{name}: one optimizer per declared role {estimator.roles}"
+    from eblvm_core.optim import optimizer_params
+
+    before = {role: [p.detach().clone() for p in optimizer_params(opt)] for role, opt in estimator.optimizers.items()}
+    metrics = estimator.step(parts.data.tensor("train", parsed.run.batch_size))
     assert isinstance(metrics, dict) and "loss" in metrics, f"{name}: step must return a dict of metrics with 'loss', got {metrics!r}"
-    bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
-    assert not bad, f"{name}: metrics must be finite floats, got {bad}"
-    assert any(not torch.equal(b, p) for b, p in zip(before, parts.model.parameters())), f"{name}: one step left the model's parameters unchanged"
+    as_float = {k: float(v) if isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.numel() == 1) else v for k, v in metrics.items()}
+    bad = {k: v for k, v in as_float.items() if not isinstance(v, float) or not math.isfinite(v)}
+    assert not bad, f"{name}: metrics must be finite floats or 0-d tensors, got {bad}"
+    for role, opt in estimator.optimizers.items():
+        moved = any(not torch.equal(b, p) for b, p in zip(before[role], optimizer_params(opt)))
+        assert moved, f"{name}: one step left the parameters of role '{role}' unchanged"
+    metrics = as_float
     state = estimator.state_dict()
     assert isinstance(state, dict), f"{name}: state_dict must return a dict"
     estimator.load_state_dict(state)
@@ -477,30 +508,31 @@ def check_posterior(posterior: Posterior, v: Tensor, latent: LatentSpec, *, n: i
         torch.testing.assert_close(total, torch.zeros_like(total), msg=f"{name}: q(h|v) does not sum to 1 over h")
 
 
-def check_dataset(data: DataSplits) -> None:
-    """Assert a dataset factory's result: DataSplits whose train/test (and val) are finite float
-    tensors (N, *shape) of one shape, inside ``bounds`` when given (per dimension), with
-    ``image_shape`` (if given) holding dim numbers."""
+def check_dataset(data: DataSplits, n: int = 256) -> None:
+    """Assert a dataset factory's result: DataSplits whose train/test (and val) splits, prepared
+    (up to ``n`` examples each), are non-empty finite float tensors (N, *event_shape), inside
+    ``bounds`` when given (per flattened dimension)."""
     assert isinstance(data, DataSplits), f"a dataset factory must return DataSplits, got {type(data).__name__}"
     for split in ("train", "test", "val"):
-        x = getattr(data, split)
-        if x is None and split == "val":
+        if not data.has(split) and split == "val":
             continue
-        assert isinstance(x, Tensor) and x.dtype.is_floating_point and len(x) > 0 and torch.isfinite(x).all(), f"{split} must be a non-empty finite float tensor"
-        assert tuple(x.shape[1:]) == data.shape, f"{split} has shape {tuple(x.shape[1:])}, train has {data.shape}"
+        assert data.has(split) and data.size(split) > 0, f"{split} must be a non-empty split"
+        x = data.tensor(split, n)
+        assert isinstance(x, Tensor) and x.dtype.is_floating_point and torch.isfinite(x).all(), f"{split} must prepare to finite floats"
+        assert tuple(x.shape[1:]) == data.shape, f"{split} has shape {tuple(x.shape[1:])}, the event shape is {data.shape}"
         if data.bounds is not None:
             assert len(data.bounds) == data.dim, "bounds needs one (low, high) per dimension"
             flat = x.flatten(1)
             for j, (lo, hi) in enumerate(data.bounds):
                 assert lo <= flat[:, j].min() and flat[:, j].max() <= hi, f"{split}[:, {j}] leaves its bounds ({lo}, {hi})"
-    if data.image_shape is not None:
-        assert math.prod(data.image_shape) == data.dim, f"image_shape {data.image_shape} does not hold {data.dim} numbers"
 
 
-def check_sampler(sampler: Any, model: EnergyModel, d: int, n: int = 8) -> None:
-    """Assert ``sampler.sample(model, n, generator)`` is finite (n, d) and reproducible given the generator's seed."""
+def check_sampler(sampler: Any, model: EnergyModel, shape: int | tuple[int, ...], n: int = 8) -> None:
+    """Assert ``sampler.sample(model, n, generator)`` is finite (n, *shape) (shape: the event shape,
+    or d) and reproducible given the generator's seed."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
     first = sampler.sample(model, n, torch.Generator().manual_seed(0))
-    assert first.shape == (n, d) and torch.isfinite(first).all(), f"samples must be finite (n, d) = ({n}, {d}), got {tuple(first.shape)}"
+    assert first.shape == (n, *shape) and torch.isfinite(first).all(), f"samples must be finite {(n, *shape)}, got {tuple(first.shape)}"
     torch.testing.assert_close(sampler.sample(model, n, torch.Generator().manual_seed(0)), first, msg="the same seed must give the same samples")
 
 

@@ -1,47 +1,29 @@
-"""The training loop: batches, estimator steps, logging, evaluation, checkpoints, resume."""
+"""The training loop: batches, estimator steps under the run's precision, schedules, EMA,
+logging, evaluation, checkpoints, resume and the NaN guard, the same for every role."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import Built
-from eblvm_core.errors import ConfigError, TrainingDiverged
+from eblvm_core.data import Batches
+from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
+from eblvm_core.optim import optimizer_params
 from eblvm_core.recipe import Recipe
 
-
-class BatchStream:
-    """Shuffled mini-batches over epochs, from a dedicated generator (its state is checkpointed)."""
-
-    def __init__(self, data: Tensor, batch_size: int, seed: int):
-        self.data, self.batch_size = data, min(batch_size, len(data))
-        self.generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(len(data), generator=self.generator)
-        self.pos = 0
-
-    def next(self) -> Tensor:
-        if self.pos + self.batch_size > len(self.order):
-            self.order = torch.randperm(len(self.data), generator=self.generator)
-            self.pos = 0
-        idx = self.order[self.pos : self.pos + self.batch_size]
-        self.pos += self.batch_size
-        return self.data[idx.to(self.data.device)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state(), "order": self.order, "pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
-        self.order, self.pos = state["order"], state["pos"]
+CHECKPOINT_FORMAT = 2
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def best_checkpoint(run_dir: str | Path) -> Path:
@@ -50,40 +32,59 @@ def best_checkpoint(run_dir: str | Path) -> Path:
 
 
 class Trainer:
+    """Trains ``built`` by ``recipe``; also restores checkpoints for ``eblvm eval`` and ``sample``."""
+
     def __init__(self, recipe: Recipe, built: Built, run_dir: Path, echo: Callable[[str], None] = print):
         self.recipe, self.built, self.run_dir, self.echo = recipe, built, Path(run_dir), echo
         self.parts = built.parts
         self.estimator = built.parts.estimator
-        self.stream = BatchStream(built.parts.data.train, recipe.run.batch_size, recipe.run.seed + 1)
+        self.optimizers: dict[str, torch.optim.Optimizer] = dict(self.estimator.optimizers)
+        run = recipe.run
+        self.batches = Batches(self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype)
+        self.ema = {role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
+                    for role, spec in recipe.optim.items() if spec.ema is not None}
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
+        names = {id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()}
+        self.param_names = {role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
+                            for role, opt in self.optimizers.items()}
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        parts = self.parts
+        scalers = {role: opt.grad_scaler.state_dict() for role, opt in self.optimizers.items() if hasattr(opt, "grad_scaler")}
         return {
+            "format": CHECKPOINT_FORMAT,
             "step": self.step,
-            "model": parts.model.state_dict(),
-            "posterior": None if parts.posterior is None else parts.posterior.state_dict(),
-            "optimizers": {k: o.state_dict() for k, o in getattr(self.estimator, "optimizers", {}).items()},
+            "networks": {name: net.state_dict() for name, net in self.parts.networks().items()},
+            "optimizers": {role: opt.state_dict() for role, opt in self.optimizers.items()},
+            "scalers": scalers,
+            "ema": self.ema,
             "estimator": self.estimator.state_dict(),
-            "data": self.stream.state_dict(),
+            "data": self.batches.state_dict(),
             "rng": ckpt.rng_state(),
             "best": self.best,
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
-        parts = self.parts
-        parts.model.load_state_dict(state["model"])
-        if parts.posterior is not None and state["posterior"] is not None:
-            parts.posterior.load_state_dict(state["posterior"])
-        for k, o in getattr(self.estimator, "optimizers", {}).items():
-            o.load_state_dict(state["optimizers"][k])
+    def restore(self, state: dict[str, Any], training: bool = True) -> None:
+        """Load a checkpoint: networks, estimator state and EMA always; with ``training`` also the
+        optimizers, gradient scalers, data position, RNG streams and best value."""
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise EblvmError(f"checkpoint format {state.get('format', 1)} is not {CHECKPOINT_FORMAT}: it was written by an older eblvm")
+        for name, net in self.parts.networks().items():
+            net.load_state_dict(state["networks"][name])
         self.estimator.load_state_dict(state["estimator"])
-        self.stream.load_state_dict(state["data"])
-        ckpt.set_rng_state(state["rng"])
+        for role, values in state["ema"].items():
+            self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role])]
         self.step = int(state["step"])
+        if not training:
+            return
+        for role, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][role])
+            if role in state["scalers"]:
+                opt.grad_scaler.load_state_dict(state["scalers"][role])
+        self.batches.load_state_dict(state["data"])
+        ckpt.set_rng_state(state["rng"])
         self.best = state.get("best")
 
     def save(self) -> None:
@@ -91,7 +92,36 @@ class Trainer:
         ckpt.save_atomic(self.state(), path)
         self.last_saved = (self.step, path)
 
-    # ---- logging -----------------------------------------------------------------------
+    # ---- EMA ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        for role, averages in self.ema.items():
+            decay = self.recipe.optim[role].ema
+            torch._foreach_lerp_(averages, optimizer_params(self.optimizers[role]), 1.0 - decay)
+
+    @torch.no_grad()
+    def use_ema(self) -> None:
+        """Put the averaged parameters in place for good (evaluating or sampling a saved run)."""
+        for role, averages in self.ema.items():
+            torch._foreach_copy_(optimizer_params(self.optimizers[role]), averages)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Within the block, every role with an EMA holds its averaged parameters."""
+        saved = {}
+        with torch.no_grad():
+            for role, averages in self.ema.items():
+                params = optimizer_params(self.optimizers[role])
+                saved[role] = [p.detach().clone() for p in params]
+                torch._foreach_copy_(params, averages)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for role, values in saved.items():
+                    torch._foreach_copy_(optimizer_params(self.optimizers[role]), values)
+
+    # ---- logging and evaluation -----------------------------------------------------------
     def record(self, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps({"step": self.step, **scalars}) + "\n")
@@ -101,15 +131,16 @@ class Trainer:
                 logger.log_images(self.step, images)
 
     def evaluate(self) -> dict[str, float]:
-        """Run every evaluator without disturbing the training RNG stream."""
+        """Run every evaluator (on EMA weights where enabled) without disturbing the training RNG."""
         scalars: dict[str, float] = {}
         images: dict[str, Tensor] = {}
         devices = [self.parts.device] if self.parts.device.type == "cuda" else []
-        for name, evaluator in self.built.evaluators:
-            with torch.random.fork_rng(devices=devices):
-                result = evaluator(self.parts)
-            scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
-            images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
+        with self.ema_weights():
+            for name, evaluator in self.built.evaluators:
+                with torch.random.fork_rng(devices=devices):
+                    result = evaluator(self.parts)
+                scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
+                images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
         if scalars or images:
             self.record(scalars, images)
         self.select(scalars)
@@ -130,6 +161,7 @@ class Trainer:
             self.best = value
             ckpt.save_atomic(self.state(), best_checkpoint(self.run_dir))
 
+    # ---- the NaN guard -------------------------------------------------------------------
     def _diverged(self, what: str) -> TrainingDiverged:
         if self.last_saved:
             kept = f"last good checkpoint: {self.last_saved[1]} (step {self.last_saved[0]})"
@@ -137,34 +169,70 @@ class Trainer:
             kept = "no checkpoint was written before it"
         return TrainingDiverged(f"step {self.step}: {what}; run stopped, {kept}")
 
+    def check_parameters(self) -> None:
+        """Stop when a parameter of any role is NaN or infinite."""
+        for role, opt in self.optimizers.items():
+            params = optimizer_params(opt)
+            finite = torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
+            if not bool(finite.all()):
+                name = self.param_names[role][int((~finite).nonzero()[0])]
+                raise self._diverged(f"parameter {name} (role '{role}') is not finite")
+
     # ---- the loop ----------------------------------------------------------------------
+    def set_learning_rates(self) -> None:
+        run = self.recipe.run
+        for role, opt in self.optimizers.items():
+            schedule = self.built.schedules.get(role)
+            if schedule is None or not hasattr(opt, "base_lrs"):
+                continue
+            for group, base in zip(opt.param_groups, opt.base_lrs):
+                group["lr"] = schedule.lr(base, self.step, run.steps, self.batches.steps_per_epoch)
+
     def fit(self) -> dict[str, float]:
         run = self.recipe.run
-        interactive = sys.stderr.isatty()
         bar = None
-        if interactive:
+        if sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
-        sums: dict[str, float] = defaultdict(float)
+        precision = AUTOCAST.get(run.precision)
+        autocast = (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
+        sums: dict[str, Any] = defaultdict(float)
         count, tick = 0, time.perf_counter()
+        loss_ok: Tensor | bool = True
         try:
             while self.step < run.steps:
-                metrics = self.estimator.step(self.stream.next())
+                self.set_learning_rates()
+                batch = self.batches.next()
+                with autocast():
+                    metrics = self.estimator.step(batch)
+                self.update_ema()
                 self.step += 1
                 loss = metrics.get("loss", 0.0)
-                if not math.isfinite(loss):
+                if isinstance(loss, Tensor):
+                    loss_ok = torch.isfinite(loss.detach()) & loss_ok
+                elif not math.isfinite(loss):
                     raise self._diverged(f"training loss is {loss}")
                 for k, v in metrics.items():
-                    sums[k] += float(v)
+                    sums[k] = sums[k] + (v.detach().float() if isinstance(v, Tensor) else float(v))
                 count += 1
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-                if self.step % run.log_every == 0 or self.step == run.steps:
-                    means = {f"train/{k}": v / count for k, v in sums.items()}
-                    for name, opt in getattr(self.estimator, "optimizers", {}).items():
-                        means[f"lr/{name}"] = float(opt.param_groups[0]["lr"])
+                    if not isinstance(loss, Tensor):
+                        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+                log_now = self.step % run.log_every == 0 or self.step == run.steps
+                save_now = self.step % run.checkpoint_every == 0 or self.step == run.steps
+                if log_now or save_now:
+                    if not bool(loss_ok):
+                        raise self._diverged(f"training loss became non-finite after step {self.step - count}")
+                    self.check_parameters()
+                if log_now:
+                    means = {f"train/{k}": float(v) / count for k, v in sums.items()}
+                    for role, opt in self.optimizers.items():
+                        means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
+                        if getattr(opt, "grad_norm_count", 0):
+                            means[f"train/grad_norm/{role}"] = float(opt.grad_norm_sum) / opt.grad_norm_count
+                            opt.grad_norm_sum, opt.grad_norm_count = 0.0, 0
                     rate = count / max(time.perf_counter() - tick, 1e-9)
                     self.record(means)
                     if bar is None:
@@ -173,20 +241,12 @@ class Trainer:
                     count, tick = 0, time.perf_counter()
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
                     self.evaluate()
-                if self.step % run.checkpoint_every == 0 or self.step == run.steps:
-                    bad = [n for n, p in self._named_params() if not torch.isfinite(p).all()]
-                    if bad:
-                        raise self._diverged(f"parameter {bad[0]} is not finite")
+                if save_now:
                     self.save()
         finally:
             if bar is not None:
                 bar.close()
         return self.evaluate()
-
-    def _named_params(self):
-        yield from (("model." + n, p) for n, p in self.parts.model.named_parameters())
-        if self.parts.posterior is not None:
-            yield from (("posterior." + n, p) for n, p in self.parts.posterior.named_parameters())
 
 
 def run(
@@ -202,8 +262,7 @@ def run(
 
     import tomli_w
 
-    from eblvm_core.build import build, pick_device
-    from eblvm_core.errors import ConfigError
+    from eblvm_core.build import build, build_loggers, pick_device
     from eblvm_core.recipe import load_recipe, with_run
 
     if resume is not None:
@@ -217,14 +276,19 @@ def run(
             recipe = with_run(recipe, seed=secrets.randbelow(2**31))
     if device is not None:
         recipe = with_run(recipe, device=device)
-    torch_device = pick_device(recipe.run.device)
+    try:
+        torch_device = pick_device(recipe.run.device)
+    except ConfigError as exc:
+        exc.file = exc.file or recipe.path
+        raise
     if recipe.run.threads:
         torch.set_num_threads(recipe.run.threads)
     ckpt.seed_everything(recipe.run.seed)
+    built = build(recipe, torch_device)
     if resume is None:
         run_dir = ckpt.new_run_dir(out, recipe.run.name)
     (run_dir / "recipe.toml").write_text(tomli_w.dumps(recipe.to_dict()))
-    built = build(recipe, torch_device, run_dir)
+    built.loggers = build_loggers(recipe, run_dir)
     trainer = Trainer(recipe, built, run_dir, echo)
     if resume is not None:
         trainer.restore(ckpt.load(ckpt.last_checkpoint(run_dir), map_location=torch_device))

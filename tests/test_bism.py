@@ -223,8 +223,9 @@ def test_a_step_gives_finite_metrics_and_moves_both_levels(family, objective, es
     phi0 = [p.detach().clone() for p in est.phi.values()]
     for _ in range(2):
         metrics = est.step(batch)
-    assert {"loss", "lower_loss", "grad_norm/model", "grad_norm/posterior"} <= set(metrics)
-    assert all(math.isfinite(v) for v in metrics.values())
+    assert {"loss", "lower_loss"} <= set(metrics)
+    assert all(math.isfinite(float(v)) for v in metrics.values())
+    assert all(opt.grad_norm_count > 0 and math.isfinite(float(opt.grad_norm_sum)) for opt in est.optimizers.values())
     moved = [not torch.equal(a, b) for a, b in zip(theta0, est.theta)]
     # with N = 0 the GRBM's c gets no gradient: ŝ depends on c only through φ*(θ)
     assert all(moved) or (estimator == "unrolled-N0" and any(moved))

@@ -21,7 +21,7 @@ from eblvm_core.config import describe, option
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import validate
-from eblvm_core.registry import KINDS
+from eblvm_core.registry import KIND_NAMES as KINDS
 
 LOADED = plugins.load()
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,6 @@ SMALL: dict[str, dict[str, dict]] = {
     },
     "samplers": {"gibbs": {"burn_in": 2}},
     "datasets": {"checkerboard": {"n_train": 100, "n_test": 20}},
-    "posteriors": {"gaussian-conv": {"image_shape": [1, 8, 8]}},  # it does not read DataSplits.image_shape
 }
 # Objectives that are not Fisher-divergence functionals, and the identity they satisfy instead.
 STEIN = {"ksd": "a Stein discrepancy: E[u_p(x, x')] = 0 at the data's score, not ½E‖s‖² + tr ∇s"}
@@ -87,21 +86,21 @@ def small(kind: str, name: str) -> dict:
 
 def base_parts() -> Parts:
     """The built parts of BASE (GRBM, Bernoulli q, small checkerboard), CPU."""
-    recipe = validate(tomllib.loads(BASE) | {"estimator": {"kind": "cd"}}, "<BASE>")
+    recipe = validate(tomllib.loads(BASE) | {"estimator": {"kind": "cd"}, "optim": {"model": {"kind": "adam"}}}, "<BASE>")
     return build(recipe, torch.device("cpu")).parts
 
 
 def image_gaussian_parts() -> Parts:
     """A linear-Gaussian model on 1×8×8 'images' (for conv posteriors)."""
     model = testing.LinearGaussianEBLVM(64, 2, torch.Generator().manual_seed(0))
-    x = torch.randn(20, 64, dtype=torch.float64)
-    return Parts(dtype=torch.float64, data=DataSplits(train=x, test=x, image_shape=(1, 8, 8)), model=model)
+    x = torch.randn(20, 1, 8, 8, dtype=torch.float64)
+    return Parts(dtype=torch.float64, data=DataSplits(train=x, test=x), model=model)
 
 
 def image_grbm_parts() -> Parts:
     """A GRBM on 1×2×2 'images' (for evaluators that draw image grids)."""
-    x = torch.rand(64, 4, generator=torch.Generator().manual_seed(0))
-    parts = Parts(data=DataSplits(train=x, test=x, image_shape=(1, 2, 2)))
+    x = torch.rand(64, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    parts = Parts(data=DataSplits(train=x, test=x))
     parts.model = testing.make("models", "grbm", parts, n_hidden=2)
     return parts
 

@@ -146,8 +146,8 @@ def test_samples_image_layouts():
     image = scatter_image(torch.tensor([[0.9, 0.9]]), ((0.0, 1.0), (0.0, 1.0)), size=100)
     dark = (image[0] < 0.5).nonzero()
     assert len(dark) == 9 and dark[:, 0].max() < 15 and dark[:, 1].min() > 85  # top right: y points up
-    faces = DataSplits(train=torch.rand(10, 560), test=torch.rand(2, 560), image_shape=(1, 28, 20))
-    grid = samples_image(torch.rand(16, 560), faces)
+    faces = DataSplits(train=torch.rand(10, 1, 28, 20), test=torch.rand(2, 1, 28, 20))
+    grid = samples_image(torch.rand(16, 1, 28, 20), faces)
     assert grid.shape == (3, 4 * 28 + 5 * 2, 4 * 20 + 5 * 2) and 0 <= grid.min() and grid.max() <= 1
 
 
@@ -157,7 +157,7 @@ def test_resume_restores_the_estimator_state(write_recipe, tmp_path, estimator):
     10 + 10 resumed steps equal 20 uninterrupted ones."""
     from eblvm_core.trainer import run
 
-    extra = '\n[posterior]\nkind = "bernoulli"\n\n[divergence]\nkind = "kl"\n' if "vnce" in estimator else ""
+    extra = '\n[posterior]\nkind = "bernoulli"\n\n[divergence]\nkind = "kl"\n\n[optim.posterior]\nkind = "adam"\n' if "vnce" in estimator else ""
     text = TINY_CD.replace('kind = "cd"\nk = 1', estimator).replace("[optim.model]", extra + "\n[optim.model]")
     recipe = write_recipe(text.replace('select_metric = "eval/exact-loglik/test_loglik"\n', "").replace("[[eval]]\nkind = \"ais-loglik\"\nn_chains = 200\nn_temps = 200\n", ""))
     quiet = lambda _msg: None  # noqa: E731
@@ -166,9 +166,11 @@ def test_resume_restores_the_estimator_state(write_recipe, tmp_path, estimator):
     run(None, ["run.steps=20"], resume=part, echo=quiet)
     a, b = ckpt.load(full / "checkpoints" / "last.pt"), ckpt.load(part / "checkpoints" / "last.pt")
     assert a["step"] == b["step"] == 20
-    for section in ("model", "posterior", "estimator"):
-        for key in a[section] or {}:
-            assert torch.equal(a[section][key], b[section][key]), (section, key)
+    for section, values in [*a["networks"].items(), ("estimator", a["estimator"])]:
+        for key in values:
+            compared = b["estimator"] if section == "estimator" else b["networks"][section]
+            assert torch.equal(values[key], compared[key]), (section, key)
+    assert set(a["networks"]) == ({"model", "posterior"} if "vnce" in estimator else {"model"})
 
 
 # ---- compare ---------------------------------------------------------------------------------

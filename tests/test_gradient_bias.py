@@ -15,7 +15,7 @@ from eblvm_score.objectives import DSM, SSM
 def test_bias_decays_geometrically_with_unrolling():
     setup = tiny_grbm_setup(n=64)
     setup.perturb(0.3, seed=0)  # φ starts near, not at, the exact posterior
-    parts = attrs.evolve(setup.parts, objective=DSM(0.3), divergence=KL(n_samples=16))
+    parts = setup.parts.evolve(objective=DSM(0.3), divergence=KL(n_samples=16))
     cfg = GradientBiasConfig(unroll_steps=[0, 4, 8, 16], inner_steps=[0], inner_lr=3.0, n_repeats=5)
     scalars = GradientBias(cfg, parts)(parts).scalars
     bias = [scalars[f"bias_K0_N{n}"] for n in cfg.unroll_steps]
@@ -34,4 +34,4 @@ def test_bias_decays_geometrically_with_unrolling():
 def test_bias_refuses_what_it_cannot_measure():
     setup = tiny_grbm_setup()
     with pytest.raises(ConfigError, match="value-only"):
-        GradientBias(GradientBiasConfig(), attrs.evolve(setup.parts, objective=SSM(), divergence=KL()))
+        GradientBias(GradientBiasConfig(), setup.parts.evolve(objective=SSM(), divergence=KL()))

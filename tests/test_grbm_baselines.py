@@ -234,7 +234,7 @@ def test_cd_and_pcd_steps_raise_the_exact_likelihood(kind):
     for _ in range(20):
         metrics = estimator.step(data.train)
     after = float(model.log_likelihood(data.train).mean().detach())
-    assert math.isfinite(metrics["loss"]) and set(metrics) >= {"loss", "grad_norm/model", "sigma"}
+    assert math.isfinite(float(metrics["loss"])) and set(metrics) >= {"loss", "sigma"}
     assert ("reconstruction" in metrics) == (kind == "cd")
     assert after > before + 0.1
 

@@ -45,15 +45,15 @@ def frey_root(tmp_path: Path) -> Path:
     return write_frey(tmp_path / "frey", frey_images(30))
 
 
-def test_frames_are_flattened_scaled_and_split_in_file_order(frey_root):
+def test_frames_are_images_scaled_and_split_in_file_order(frey_root):
     data = load(frey_root, n_train=20, n_val=6, n_test=4)
-    expected = torch.from_numpy(frey_images(30).reshape(30, 560).astype(np.float32) / 255)
-    assert data.train.shape == (20, 560) and data.val.shape == (6, 560) and data.test.shape == (4, 560)
+    expected = torch.from_numpy(frey_images(30).reshape(30, 1, 28, 20).astype(np.float32) / 255)
+    assert data.train.shape == (20, 1, 28, 20) and data.val.shape == (6, 1, 28, 20) and data.test.shape == (4, 1, 28, 20)
     assert data.image_shape == (1, 28, 20) and data.dim == 560
     assert torch.equal(torch.cat([data.train, data.val, data.test]), expected)  # sequential, as in the papers
     assert data.train.min() == 0.0 and data.train.max() == 1.0
     # ff.T.reshape(-1, 28, 20) is the image: row-major 28 rows of 20 pixels
-    assert torch.equal(data.train[3].reshape(28, 20), torch.from_numpy(frey_images(30)[3] / np.float32(255)))
+    assert torch.equal(data.train[3, 0], torch.from_numpy(frey_images(30)[3] / np.float32(255)))
 
 
 def test_val_can_be_empty_and_sizes_must_fit_the_file(frey_root):
@@ -70,7 +70,7 @@ def test_seeded_split_is_a_fixed_permutation(frey_root):
     for a, b in [(first.train, again.train), (first.val, again.val), (first.test, again.test)]:
         assert torch.equal(a, b)
     assert not torch.equal(first.train, other.train)
-    firsts = torch.cat([first.train, first.val, first.test])[:, 0]  # the first pixel identifies the image
+    firsts = torch.cat([first.train, first.val, first.test]).flatten(1)[:, 0]  # the first pixel identifies the image
     assert sorted((firsts * 255).round().long().tolist()) == sorted(frey_images(30)[:, 0, 0].tolist())
     assert not torch.equal(first.train, load(frey_root, n_train=20, n_val=6, n_test=4).train)
 
@@ -106,15 +106,15 @@ needs_gibbs = pytest.mark.skipif("gibbs" not in registry("samplers"), reason="sa
 
 
 def tiny_parts(image_shape: tuple[int, ...] | None) -> Parts:
-    """A GRBM on 6-D data in [0, 1], with the given image shape."""
+    """A GRBM on 6 numbers in [0, 1] per example, shaped as the given image (else vectors)."""
     from eblvm_grbm.model import GRBM
 
     torch.manual_seed(0)
-    train = torch.rand(50, 6)
+    train = torch.rand(50, *(image_shape or (6,)))
     model = GRBM(6, 3, init_sigma=0.3)
     with torch.no_grad():
         model.b.fill_(0.5)
-    return Parts(data=DataSplits(train=train, test=train[:10], image_shape=image_shape), model=model)
+    return Parts(data=DataSplits(train=train, test=train[:10]), model=model)
 
 
 @needs_gibbs
@@ -140,8 +140,6 @@ def test_sample_grid_tiles_reproducible_samples_in_unit_range():
 def test_sample_grid_refuses_bad_settings():
     with pytest.raises(ConfigError, match="no image shape"):
         build_sample_grid(SampleGridConfig(), tiny_parts(None))
-    with pytest.raises(ConfigError, match="does not hold"):
-        build_sample_grid(SampleGridConfig(), tiny_parts((1, 2, 2)))
     with pytest.raises(ConfigError, match="unknown sampler 'gibs'") as info:
         build_sample_grid(SampleGridConfig(sampler="gibs"), tiny_parts((1, 2, 3)))
     assert info.value.key == "sampler"

@@ -192,8 +192,8 @@ def test_vnce_step_trains_the_posterior_and_the_model():
     q_before = [p.detach().clone() for p in parts.posterior.parameters()]
     w_before = parts.model.W.detach().clone()
     metrics = estimator.step(parts.data.train[:100])
-    assert set(metrics) == {"loss", "grad_norm/model", "log_z", "lower_level"}
-    assert all(math.isfinite(v) for v in metrics.values())
+    assert set(metrics) == {"loss", "log_z", "lower_level"}
+    assert all(math.isfinite(float(v)) for v in metrics.values())
     assert not torch.equal(parts.model.W, w_before)
     assert all(not torch.equal(a, b) for a, b in zip(parts.posterior.parameters(), q_before))
     assert set(estimator.optimizers) == {"model", "posterior"}

@@ -72,11 +72,6 @@ def test_gaussian_conv_shapes_from_the_data_or_the_config():
     assert (err.value.section, err.value.key) == ("posterior", "image_shape")
     with pytest.raises(ConfigError):
         build_gaussian_conv(GaussianConvConfig(), parts_for(model, (64,)))
-    stored_flat = parts_for(model, (64,))
-    stored_flat.data = attrs.evolve(stored_flat.data, image_shape=(1, 8, 8))  # as Frey face declares (1, 28, 20)
-    from_data = build_gaussian_conv(GaussianConvConfig(channels=4), stored_flat).double()
-    assert from_data.trunk.image_shape == (1, 8, 8)
-    assert from_data.rsample(v.reshape(3, 64), 1).shape == (1, 3, 5)
 
 
 def test_posterior_kind_must_match_the_latent():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import SMALL_RECIPE
 
@@ -27,7 +29,8 @@ CASES = [
     ("wrong type", "steps = 30", 'steps = "thirty"', ["[run] steps", "must be int"]),
     ("float for int", "steps = 30", "steps = 30.5", ["[run] steps", "must be int"]),
     ("out of range", "sigma = 0.1", "sigma = -0.1", ["[objective] sigma", "must be > 0"]),
-    ("bad choice", "seed = 7", 'seed = 7\ndevice = "gpu"', ["[run] device", "must be one of"]),
+    ("bad choice", "seed = 7", 'seed = 7\nprecision = "fp8"', ["[run] precision", "must be one of"]),
+    ("bad device", "seed = 7", 'seed = 7\ndevice = "gpu"', ["[run] device", "must be auto, cpu, cuda, cuda:N or mps"]),
     ("missing kind", 'kind = "grbm"', "", ["[model] kind", "missing"]),
     ("missing section", '[estimator]\nkind = "exact-score"', "", ["[estimator]", "required section is missing"]),
     ("eval item", '[[eval]]\nkind = "exact-loglik"', '[[eval]]\nkind = "exact-loglik"\nbogus = 1', ["[eval.0] bogus", "unknown key"]),
@@ -81,7 +84,7 @@ def test_overrides_apply_typed_values(write_recipe):
 
     recipe = load_recipe(write_recipe(), ["model.n_hidden=6", "optim.model.lr=2e-3", 'run.name="x"', "eval.0.split=train"])
     assert recipe.parts["model"].config.n_hidden == 6
-    assert recipe.optim["model"].config.lr == 2e-3
+    assert recipe.optim["model"].optimizer.config.lr == 2e-3
     assert recipe.run.name == "x"
     assert recipe.evals[0].config.split == "train"
 
@@ -100,3 +103,60 @@ def test_real_process_exit_code_and_no_traceback(write_recipe):
     assert proc.stderr.strip().count("\n") == 0
     assert "[run] batch_size" in proc.stderr and "must be > 0" in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+# ---- validate is a dry run: what run rejects before its first step, validate rejects -------------
+
+BISM = SMALL_RECIPE.replace('[estimator]\nkind = "exact-score"', """[posterior]
+kind = "bernoulli"
+
+[divergence]
+kind = "kl"
+
+[estimator]
+kind = "bism-unrolled"
+inner_steps = 1
+unroll_steps = 1
+
+[optim.posterior]
+kind = "adam\"""")
+
+DRY_CASES = [
+    ("misspelt role", BISM, "[optim.posterior]", "[optim.posteror]", ["[optim.posteror]", "unknown role (did you mean 'posterior'?)"]),
+    ("missing role", BISM, '[optim.posterior]\nkind = "adam"', "", ["[optim.posterior] kind", "missing", "trains role 'posterior'"]),
+    ("fisher on bernoulli", BISM, 'kind = "kl"', 'kind = "fisher"', ["[divergence] kind", "needs a continuous latent"]),
+    ("no such split", SMALL_RECIPE, 'kind = "exact-loglik"', 'kind = "exact-loglik"\nsplit = "val"', ["[eval.0] split", "no 'val' split"]),
+    ("unknown select_metric", SMALL_RECIPE, "seed = 7", 'seed = 7\nselect_metric = "eval/exact-loglik/val_loglik"',
+     ["[run] select_metric", "no evaluator reports 'eval/exact-loglik/val_loglik' (did you mean 'eval/exact-loglik/test_loglik'?)"]),
+    ("absent cuda device", SMALL_RECIPE, "seed = 7", 'seed = 7\ndevice = "cuda:7"', ["[run] device", "cuda:7 requested"]),
+]
+
+
+@pytest.mark.parametrize("name, base, old, new, fragments", DRY_CASES, ids=[c[0] for c in DRY_CASES])
+def test_validate_rejects_what_run_would_reject_before_its_first_step(cli, write_recipe, tmp_path, name, base, old, new, fragments):
+    if name == "absent cuda device" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert old in base
+    path = write_recipe(base.replace(old, new))
+    for command in (["validate", path], ["run", path, "--out", tmp_path / "runs"]):
+        line = one_line_error(cli(command))
+        assert str(path) in line
+        for fragment in fragments:
+            assert fragment in line, line
+    assert not (tmp_path / "runs").exists(), "a rejected run leaves no run directory"
+
+
+def test_validate_accepts_every_bundled_recipe_and_comparison_spec(cli):
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    files = sorted(root.glob("*.toml")) + sorted((root / "compare").glob("*.toml"))
+    result = cli(["validate", *files])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("ok: ") == len(files)
+    # Frey face recipes are checked with stand-in images when the file is absent, and say so
+    assert "checked with stand-in images" in result.output
+
+
+def test_validate_check_data_requires_the_files(cli):
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "freyface_dsm.toml"
+    result = cli(["validate", recipe, "-o", "data.root=/nonexistent", "--check-data"])
+    assert result.exit_code == 2 and "/nonexistent/frey_rawface.mat" in result.output

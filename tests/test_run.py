@@ -37,7 +37,7 @@ def test_short_run_writes_run_directory(cli, write_recipe, tmp_path):
 
     resolved = load_recipe(run_dir / "recipe.toml")
     assert resolved.run.seed == 7 and resolved.run.device == "cpu"
-    assert resolved.optim["model"].config.beta2 == 0.999
+    assert resolved.optim["model"].optimizer.config.beta2 == 0.999
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train/loss" in r]
@@ -67,7 +67,7 @@ def test_seed_is_chosen_and_written_back(cli, write_recipe, tmp_path):
 
 
 def params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load(run_dir / "checkpoints" / "last.pt")["model"]
+    return ckpt.load(run_dir / "checkpoints" / "last.pt")["networks"]["model"]
 
 
 def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
@@ -131,7 +131,7 @@ def test_nan_loss_stops_cleanly_and_keeps_last_good_checkpoint(cli, write_recipe
     assert "last good checkpoint" in result.output and "(step 20)" in result.output
     state = ckpt.load(only_run_dir(out) / "checkpoints" / "last.pt")
     assert state["step"] == 20
-    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
 
 
 def test_resume_needs_a_checkpoint(cli, tmp_path):

@@ -61,6 +61,8 @@ class BiSM(Estimator):
     Subclasses implement ``hypergradient(x, context) -> (dJ/dθ per model parameter, metrics)``.
     """
 
+    roles = ("model", "posterior")
+
     def __init__(self, parts: Parts, inner_steps: int):
         self.model: EnergyModel = parts.need("model", "estimator")
         self.posterior: Posterior = parts.need("posterior", "estimator")
@@ -97,7 +99,7 @@ class BiSM(Estimator):
         grads, more = self.hypergradient(x, context)
         for p, g in zip(self.theta, grads):
             p.grad = g
-        metrics["grad_norm/model"] = apply_update(self.optimizers["model"], None)
+        apply_update(self.optimizers["model"], None)
         return {**metrics, **more}
 
 

@@ -35,6 +35,10 @@ class GradientBiasConfig:
 class GradientBias:
     """Evaluator: scalars ``bias_K{K}_N{N}`` and ``reference_norm`` (‖exact gradient‖)."""
 
+    @property
+    def reports(self) -> list[str]:
+        return ["reference_norm"] + [f"bias_K{k}_N{n}" for k in self.cfg.inner_steps for n in self.cfg.unroll_steps]
+
     def __init__(self, cfg: GradientBiasConfig, parts: Parts):
         self.cfg = cfg
         model = parts.need("model", "eval")
@@ -50,14 +54,15 @@ class GradientBias:
 
         cfg, model = self.cfg, parts.model
         torch.manual_seed(cfg.seed)
-        batch = parts.data.train[: cfg.batch_size]
+        batch = parts.data.tensor("train", cfg.batch_size)
         x, context = parts.objective.points(batch)
         theta = [p for p in model.parameters() if p.requires_grad]
         exact = torch.autograd.grad(parts.objective.loss(lambda y: exact_score(model, y), x, context).mean(), theta)
         reference = torch.cat([g.flatten() for g in exact])
         scalars = {"reference_norm": float(reference.norm())}
         for k in cfg.inner_steps:
-            local = attrs.evolve(parts, posterior=copy.deepcopy(parts.posterior))
+            local = parts.evolve(posterior=copy.deepcopy(parts.posterior))
+            local.strict_roles = False  # the recipe's [optim.posterior] if any, else Adam at 1e-3
             estimator = BiSMUnrolled(local, k, 0, cfg.unroll, cfg.inner_lr)
             estimator.fit_posterior(x)
             for n in cfg.unroll_steps:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import Divergence, EnergyModel, EvalResult, Parts, Posterior
+from eblvm_core.contracts import reporting, Divergence, EnergyModel, EvalResult, Parts, Posterior
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 
@@ -104,13 +104,14 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
     if model.latent is None or model.latent.kind != "gaussian":
         kind = "none" if model.latent is None else model.latent.kind
         raise ConfigError("", "kind", f"posterior-fisher differentiates in h and needs continuous (gaussian) latents; the model's are {kind}")
-    if getattr(data, cfg.split) is None:
+    if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     fisher = Fisher(cfg.n_samples)
 
+    @reporting([f"{cfg.split}_posterior_fisher", f"{cfg.split}_posterior_fisher_stderr"])
     def evaluate(parts: Parts) -> EvalResult:
         """{split}_posterior_fisher (mean over points) and its standard error."""
-        v = getattr(parts.data, cfg.split)
+        v = parts.data.tensor(cfg.split)
         devices = [v.device] if v.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             torch.manual_seed(cfg.seed)

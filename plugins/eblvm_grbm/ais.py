@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.contracts import reporting, EvalResult, Parts
 from eblvm_core.errors import ConfigError
 
 from eblvm_grbm.gibbs import require_grbm, sample_visible
@@ -85,12 +85,13 @@ def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], Ev
     data = parts.need("data", "")
     if cfg.n_temps < 2:
         raise ConfigError("", "n_temps", f"AIS needs at least 2 temperatures (β = 0 and β = 1), got {cfg.n_temps}")
-    if getattr(data, cfg.split) is None:
+    if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
 
+    @reporting([f"{cfg.split}_loglik", f"{cfg.split}_loglik_stderr", "log_z", "log_z_stderr"])
     def evaluate(parts: Parts) -> EvalResult:
         """{split}_loglik = mean −F(v) − log Ẑ, {split}_loglik_stderr (from log Ẑ), log_z, log_z_stderr."""
-        model, v = parts.model, getattr(parts.data, cfg.split)
+        model, v = parts.model, parts.data.tensor(cfg.split)
         generator = torch.Generator(device=model.W.device).manual_seed(cfg.seed)
         ais = ais_log_partition(model, cfg.n_chains, cfg.n_temps, generator)
         with torch.no_grad():

@@ -47,10 +47,10 @@ class ContrastiveDivergence(Estimator):
         batch = batch.reshape(len(batch), -1)
         samples = self.negatives(batch)
         loss = contrastive_loss(self.model, batch, samples)
-        grad_norm = apply_update(self.optimizers["model"], loss)
-        metrics = {"loss": float(loss.detach()), "grad_norm/model": grad_norm, "sigma": float(self.model.sigma.detach())}
+        apply_update(self.optimizers["model"], loss)
+        metrics = {"loss": loss.detach(), "sigma": self.model.sigma.detach()}
         if self.pairs_with_data:
-            metrics["reconstruction"] = float(((samples - batch) ** 2).sum(-1).mean())
+            metrics["reconstruction"] = ((samples - batch) ** 2).sum(-1).mean()
         return metrics
 
 

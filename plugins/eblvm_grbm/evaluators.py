@@ -8,7 +8,7 @@ import attrs
 import torch
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.contracts import reporting, EvalResult, Parts
 from eblvm_core.errors import ConfigError
 
 
@@ -34,12 +34,13 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
             f"exact-loglik enumerates 2^m hidden states and the model has m={model.latent.dim} > max_hidden={cfg.max_hidden}; "
             "use an AIS estimate, or raise max_hidden if 2^m states fit in memory",
         )
-    if getattr(data, cfg.split) is None:
+    if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     key = f"{cfg.split}_loglik"
 
+    @reporting([key])
     def evaluate(parts: Parts) -> EvalResult:
-        model, v = parts.model, getattr(parts.data, cfg.split)
+        model, v = parts.model, parts.data.tensor(cfg.split)
         with torch.no_grad():
             log_z = model.log_partition(cfg.max_hidden)
             total = sum(float((-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).sum())

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, exact_score
+from eblvm_core.contracts import reporting, EnergyModel, EvalResult, Parts, exact_score
 from eblvm_core.errors import ConfigError
 
 
@@ -56,13 +56,14 @@ def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], Ev
     data = parts.need("data", "")
     if not model.has_free_energy:
         raise ConfigError("", "kind", f"score-loss needs the exact marginal score, i.e. a free energy F(v); {type(model).__name__} has none")
-    if getattr(data, cfg.split) is None:
+    if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     trace = cfg.trace if cfg.trace != "auto" else ("exact" if data.dim <= cfg.exact_max_dim else "hutchinson")
 
+    @reporting([f"{cfg.split}_score_loss", f"{cfg.split}_score_loss_stderr"])
     def evaluate(parts: Parts) -> EvalResult:
         """{split}_score_loss (mean over points) and {split}_score_loss_stderr (over points and probes)."""
-        v = getattr(parts.data, cfg.split)
+        v = parts.data.tensor(cfg.split)
         generator = torch.Generator(device=v.device).manual_seed(cfg.seed)
         losses = torch.cat([score_matching_loss(parts.model, chunk, trace, cfg.n_probes, generator)
                             for chunk in v.split(cfg.batch_size)])

@@ -61,12 +61,12 @@ def initial_states(init: str, n: int, data: DataSplits | None, like: Tensor,
     training data's per-dimension mean and std (``noise``; N(0, I) when there is no data)."""
     d = like.shape[0]
     if init == "data":
-        idx = torch.randint(len(data.train), (n,), generator=generator, device=like.device)
-        return data.train.reshape(len(data.train), -1)[idx].to(like)
+        idx = torch.randint(data.size("train"), (n,), generator=generator, device=like.device)
+        return data.tensor("train").reshape(data.size("train"), -1)[idx].to(like)
     noise = torch.randn(n, d, generator=generator, dtype=like.dtype, device=like.device)
     if data is None:
         return noise
-    train = data.train.reshape(len(data.train), -1).to(like)
+    train = data.tensor("train").reshape(data.size("train"), -1).to(like)
     return train.mean(0) + train.std(0) * noise
 
 
@@ -87,7 +87,7 @@ class GibbsSampler(Sampler):
         self.cfg, self.data = cfg, data
 
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
-        """n samples (n, d) of v from the GRBM's marginal p(v)."""
+        """n samples (n, *event_shape) of v from the GRBM's marginal p(v) ((n, d) without data)."""
         grbm = require_grbm(model, "sampler", "the gibbs sampler")
         cfg = self.cfg
         chains = n if cfg.n_chains == 0 else min(cfg.n_chains, n)
@@ -103,7 +103,8 @@ class GibbsSampler(Sampler):
                     kept.append(grbm.visible_mean(sample_hidden(grbm, v, 1.0, generator)))
                 else:
                     kept.append(v)
-        return torch.cat(kept)[:n]
+        samples = torch.cat(kept)[:n]
+        return samples if self.data is None else samples.reshape(n, *self.data.shape)
 
 
 def build_gibbs(cfg: GibbsConfig, parts: Parts) -> GibbsSampler:

@@ -31,7 +31,8 @@ class GRBM(EnergyModel):
     (``coupling="scaled"``, the paper's formula) or U = W (``"plain"``, the released code's).
 
     Parameters: W (d, m), b (d,), c (m,), log_sigma (scalar). Then p(h_j = 1 | v) =
-    sigmoid(c_j + (Uᵀv)_j) and p(v | h) = N(b + σ²Uh, σ²I): b + σWh when scaled.
+    sigmoid(c_j + (Uᵀv)_j) and p(v | h) = N(b + σ²Uh, σ²I): b + σWh when scaled. v may come
+    shaped as images (B, C, H, W); the model sees it flattened to (B, d).
     """
 
     def __init__(self, n_visible: int, n_hidden: int, init_sigma: float = 1.0, init_weight_std: float = 0.1,
@@ -55,19 +56,19 @@ class GRBM(EnergyModel):
         return self.W * torch.exp(-self.log_sigma) if self.coupling == "scaled" else self.W
 
     def visible_quadratic(self, v: Tensor) -> Tensor:
-        """‖v − b‖²/(2σ²): v (B, d) -> (B,)."""
-        return 0.5 * ((v - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
+        """‖v − b‖²/(2σ²): v (B, ...) -> (B,)."""
+        return 0.5 * ((v.flatten(1) - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
 
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
-        """v (B, d), h (B, m) -> (B,)."""
-        return self.visible_quadratic(v) - (h * (self.c + v @ self.coupling_weight())).sum(-1)
+        """v (B, ...), h (B, m) -> (B,)."""
+        return self.visible_quadratic(v) - (h * self.hidden_logits(v)).sum(-1)
 
     def hidden_logits(self, v: Tensor) -> Tensor:
-        """Logits c + Uᵀv of p(h_j = 1 | v): v (B, d) -> (B, m)."""
-        return self.c + v @ self.coupling_weight()
+        """Logits c + Uᵀv of p(h_j = 1 | v): v (B, ...) -> (B, m)."""
+        return self.c + v.flatten(1) @ self.coupling_weight()
 
     def free_energy(self, v: Tensor) -> Tensor:
-        """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, d) -> (B,)."""
+        """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, ...) -> (B,)."""
         return self.visible_quadratic(v) - F.softplus(self.hidden_logits(v)).sum(-1)
 
     def visible_mean(self, h: Tensor) -> Tensor:
@@ -88,7 +89,7 @@ class GRBM(EnergyModel):
         return torch.logsumexp(terms, 0) + 0.5 * d * torch.log(2 * math.pi * self.sigma**2)
 
     def log_likelihood(self, v: Tensor, max_hidden: int = 20) -> Tensor:
-        """Exact log p(v) = −F(v) − log Z: v (B, d) -> (B,)."""
+        """Exact log p(v) = −F(v) − log Z: v (B, ...) -> (B,)."""
         return -self.free_energy(v) - self.log_partition(max_hidden)
 
 

@@ -54,9 +54,12 @@ def load_frey(path: Path) -> np.ndarray:
 
 
 def freyface(cfg: FreyFaceConfig, parts: Parts) -> DataSplits:
-    """Frey face (1965 faces, 28×20, pixels / 255), split 1400/300/265 in file order as in the papers."""
+    """Frey face (1965 faces (1, 28, 20), pixels / 255), split 1400/300/265 in file order as in the papers."""
     path = Path(cfg.root).expanduser() / FILE
-    frames = torch.from_numpy(load_frey(path).astype(np.float32) / 255.0).reshape(-1, HEIGHT * WIDTH)  # (N, 560)
+    if parts.dry_run and not path.is_file():
+        parts.warn(f"[data] root: {path} not found; checked with stand-in images (run needs the file)")
+        return DataSplits.stand_in((1, HEIGHT, WIDTH))
+    frames = torch.from_numpy(load_frey(path).astype(np.float32) / 255.0).reshape(-1, 1, HEIGHT, WIDTH)
     total = cfg.n_train + cfg.n_val + cfg.n_test
     if total > len(frames):
         raise ConfigError("", "n_train", f"n_train + n_val + n_test = {total} exceeds the {len(frames)} images in {path}")
@@ -68,5 +71,4 @@ def freyface(cfg: FreyFaceConfig, parts: Parts) -> DataSplits:
         test=test,
         val=val if cfg.n_val else None,
         bounds=((0.0, 1.0),) * (HEIGHT * WIDTH),
-        image_shape=(1, HEIGHT, WIDTH),
     )

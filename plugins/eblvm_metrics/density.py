@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.contracts import reporting, EvalResult, Parts
 from eblvm_core.errors import ConfigError
 
 # anchor colours of a viridis-like map, from low (dark purple) to high (yellow)
@@ -72,14 +72,15 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
     if data.dim != 2 or data.bounds is None:
         raise ConfigError("", "kind", f"density-plot draws 2-D data with known bounds; this dataset has d={data.dim}"
                           + ("" if data.bounds else " and no bounds"))
-    if getattr(data, cfg.split) is None:
+    if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
 
+    @reporting(["grid_mass"] if callable(getattr(model, "log_partition", None)) else [])
     def evaluate(parts: Parts) -> EvalResult:
         """{"density": (3, grid, 2·grid + gap)} and, when the model has log Z, {"grid_mass"}."""
         model, data = parts.model, parts.data
         with torch.no_grad():
-            points, area = grid_centres(data.bounds, cfg.grid, data.train)
+            points, area = grid_centres(data.bounds, cfg.grid, data.tensor("train", 1))
             log_p = torch.cat([-model.free_energy(chunk) for chunk in points.split(cfg.chunk)])
             scalars = {}
             if callable(getattr(model, "log_partition", None)):
@@ -90,7 +91,7 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
                 else:
                     scalars["grid_mass"] = float((log_p - log_z).exp().sum() * area)
             density = torch.softmax(log_p, 0).reshape(cfg.grid, cfg.grid) / area
-            hist = histogram(getattr(data, cfg.split), data.bounds, cfg.bins, cfg.grid)
+            hist = histogram(data.tensor(cfg.split), data.bounds, cfg.bins, cfg.grid)
             gap = torch.ones(3, cfg.grid, GAP, dtype=density.dtype, device=density.device)
             image = torch.cat([to_image(density), gap, to_image(hist)], -1)
         return EvalResult(scalars=scalars, images={"density": image.float().cpu()})

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import attrs
 import torch
 
 from eblvm_core.config import non_negative, option, positive, structure
-from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import registry
 
@@ -31,8 +30,6 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
     shape = data.image_shape
     if shape is None:
         raise ConfigError("", "kind", f"sample-grid draws images; this dataset (d={data.dim}) has no image shape")
-    if math.prod(shape) != data.dim:
-        raise ConfigError("", "kind", f"the dataset's image shape {shape} does not hold its d={data.dim} values")
     samplers = registry("samplers")
     if cfg.sampler not in samplers:
         raise ConfigError("", "sampler", f"unknown sampler '{cfg.sampler}'; valid: {', '.join(samplers.names()) or 'none registered'}")
@@ -47,10 +44,11 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
     except ConfigError as exc:
         raise ConfigError("", "sampler", exc.message) from None
 
+    @reporting([])
     def evaluate(parts: Parts) -> EvalResult:
         """{"samples": (3, H', W')}: n images of shape (C, H, W) tiled nrow to a row, in [0, 1]."""
         generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
-        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, d)
+        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, *event_shape)
         images = samples.reshape(cfg.n, *shape).clamp(0, 1).float().cpu()
         from torchvision.utils import make_grid  # imported here: torchvision adds 2 s to every CLI start
 

@@ -82,7 +82,7 @@ class VNCEConfig(NCEConfig):
 
 def make_noise(cfg: NCEConfig, data: DataSplits) -> GaussianNoise:
     """The Gaussian noise of the config, fitted to ``data.train`` or fixed."""
-    train = data.train.reshape(len(data.train), -1)
+    train = data.tensor("train").flatten(1)
     d = train.shape[1]
     if cfg.noise == "fixed":
         mean = torch.full((d,), cfg.noise_mean, dtype=train.dtype, device=train.device)
@@ -111,6 +111,8 @@ class NCE(Estimator):
     """NCE for models with a free energy: log φ(u) = −F(u); the log-normaliser c is a learned
     scalar stepped by the model's optimizer and checkpointed in ``state_dict``."""
 
+    roles = ("model",)
+
     def __init__(self, model: EnergyModel, noise: GaussianNoise, nu: float, parts: Parts):
         self.model, self.noise, self.nu = model, noise, nu
         self.log_z = nn.Parameter(torch.zeros((), dtype=parts.dtype, device=parts.device))
@@ -138,8 +140,8 @@ class NCE(Estimator):
         y = self.noise.sample(n_noise).reshape(n_noise, *batch.shape[1:])
         loss = nce_loss(self.data_term(batch), self.noise.log_prob(batch),
                         self.log_unnormalised(y, True) - self.log_z, self.noise.log_prob(y), nu)
-        grad_norm = apply_update(self.optimizers["model"], loss)
-        return {"loss": float(loss.detach()), "grad_norm/model": grad_norm, "log_z": float(self.log_z.detach())}
+        apply_update(self.optimizers["model"], loss)
+        return {"loss": loss.detach(), "log_z": self.log_z.detach().clone()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"log_z": self.log_z.detach().clone()}
@@ -152,6 +154,8 @@ class NCE(Estimator):
 class VNCE(NCE):
     """Variational NCE for latent-variable models: the data term is the per-draw Jensen bound
     with h ~ q(h|x), the noise term uses the importance-weighted marginal with q as proposal."""
+
+    roles = ("model", "posterior")
 
     def __init__(self, model: EnergyModel, noise: GaussianNoise, nu: float, parts: Parts, posterior: Posterior,
                  divergence: Divergence, cfg: VNCEConfig):
@@ -169,14 +173,13 @@ class VNCE(NCE):
         return log_w
 
     def step(self, batch: Tensor) -> dict[str, float]:
-        lower = float("nan")
+        lower = None
         for _ in range(self.cfg.inner_steps):
-            divergence = self.divergence(self.model, self.posterior, batch).mean()
-            apply_update(self.optimizers["posterior"], divergence)
-            lower = float(divergence.detach())
+            lower = self.divergence(self.model, self.posterior, batch).mean()
+            apply_update(self.optimizers["posterior"], lower)
         metrics = super().step(batch)
-        if self.cfg.inner_steps:
-            metrics["lower_level"] = lower
+        if lower is not None:
+            metrics["lower_level"] = lower.detach()
         return metrics
 
 
@@ -187,7 +190,7 @@ def _noise_for(cfg: NCEConfig, parts: Parts) -> GaussianNoise:
 def _initialise(estimator: NCE, cfg: NCEConfig, parts: Parts) -> None:
     value = cfg.init_log_z
     if value is None:
-        value = estimator.initial_log_z(cfg.init_samples, parts.data.train)
+        value = estimator.initial_log_z(cfg.init_samples, parts.data.tensor("train", 1))
     with torch.no_grad():
         estimator.log_z.fill_(value)
 

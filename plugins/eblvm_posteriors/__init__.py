@@ -41,12 +41,19 @@ def relaxed_bernoulli(logits: Tensor, u: Tensor, temperature: float) -> Tensor:
     return torch.sigmoid((logits + torch.logit(u, eps=1e-6)) / temperature)
 
 
-def latent_dim(parts: Parts, kind: str) -> int:
-    """m from the model's latent spec; a ConfigError on [posterior] kind if the latent is not ``kind``."""
+def latent_dim(parts: Parts, kind: str, given: int | None = None) -> int:
+    """m: ``given`` (the config's latent_dim) or the model's latent dimension; a ConfigError on
+    [posterior] when they disagree or the model's latent is not ``kind``. A fully visible model
+    (an encoder beside a marginal energy, as in BiDVL) needs ``given``."""
     model = parts.need("model", "posterior")
     latent = model.latent
     if latent is None:
-        raise ConfigError("posterior", "kind", f"model '{type(model).__name__}' has no latent variable to infer")
+        if given is not None:
+            return given
+        raise ConfigError("posterior", "kind", f"model '{type(model).__name__}' has no latent variable to infer"
+                          + (" (give latent_dim to use q(h|v) as an encoder)" if kind == "gaussian" else ""))
+    if given is not None and given != latent.dim:
+        raise ConfigError("posterior", "latent_dim", f"{given} differs from the model's latent dimension {latent.dim}")
     if latent.kind != kind:
         raise ConfigError(
             "posterior", "kind", f"a {kind} posterior cannot approximate the model's {latent.kind} latent variable"
@@ -170,11 +177,12 @@ class GaussianPosterior(Posterior):
 class GaussianConfig:
     hidden: list[int] = option([256], "hidden widths of the MLP trunk; [] makes μ and log σ linear in v")
     activation: Activation = option("elu", "activation between layers")
+    latent_dim: int | None = option(None, "m; default the model's latent dimension (required with a fully visible model)", positive)
 
 
 def build_gaussian(cfg: GaussianConfig, parts: Parts) -> GaussianPosterior:
     """Gaussian q(h|v) with an MLP trunk and linear mean and log-std heads."""
-    m = latent_dim(parts, "gaussian")
+    m = latent_dim(parts, "gaussian", cfg.latent_dim)
     d = parts.need("data", "posterior").dim
     layers: list[nn.Module] = [nn.Flatten()]
     width = d
@@ -189,6 +197,7 @@ class GaussianConvConfig:
     channels: int = option(32, "channels of the first conv layer (then 2x, 4x)", positive)
     activation: Activation = option("elu", "activation between layers")
     image_shape: list[int] | None = option(None, "[C, H, W]; default: the data set's image shape, else the data's own shape")
+    latent_dim: int | None = option(None, "m; default the model's latent dimension (required with a fully visible model)", positive)
 
 
 class ConvTrunk(nn.Module):
@@ -212,7 +221,7 @@ class ConvTrunk(nn.Module):
 
 def build_gaussian_conv(cfg: GaussianConvConfig, parts: Parts) -> GaussianPosterior:
     """Gaussian q(h|v) for images: a 3-layer conv trunk and linear mean and log-std heads."""
-    m = latent_dim(parts, "gaussian")
+    m = latent_dim(parts, "gaussian", cfg.latent_dim)
     data = parts.need("data", "posterior")
     shape = tuple(cfg.image_shape or data.image_shape or data.shape)
     if len(shape) == 2:

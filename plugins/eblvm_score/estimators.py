@@ -12,10 +12,18 @@ from eblvm_core.registry import NoConfig
 
 
 class ExactScore(Estimator):
-    """One optimizer step per batch on mean_i F(s)_i with s(x) = −∇_x F(x; θ)."""
+    """One optimizer step per batch on mean_i F(s)_i with s(x) = −∇_x F(x; θ).
+
+    bf16 is allowed with value-only objectives (DSM), whose bf16 loss and gradient a test
+    compares with fp32; SM and SSM differentiate the score again and stay in fp32.
+    """
+
+    roles = ("model",)
 
     def __init__(self, model: EnergyModel, objective: ScoreObjective, parts: Parts):
         self.model, self.objective = model, objective
+        self.precisions = ("fp32", "bf16") if objective.value_only else ("fp32",)
+        self.precision_note = "" if objective.value_only else "objectives that differentiate the score again stay in fp32"
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizers = {"model": parts.make_optimizer("model", params)}
 
@@ -24,11 +32,11 @@ class ExactScore(Estimator):
         return exact_score(self.model, x)
 
     def step(self, batch: Tensor) -> dict[str, float]:
-        """batch (B, d) -> {"loss": mean objective, "grad_norm/model": norm before clipping}."""
+        """batch (B, ...) -> {"loss": mean objective}."""
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
-        grad_norm = apply_update(self.optimizers["model"], loss)
-        return {"loss": float(loss.detach()), "grad_norm/model": grad_norm}
+        apply_update(self.optimizers["model"], loss)
+        return {"loss": loss.detach()}
 
 
 def build_exact_score(cfg: NoConfig, parts: Parts) -> ExactScore:

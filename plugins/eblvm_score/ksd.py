@@ -43,7 +43,8 @@ class KSD(ScoreObjective):
         return k * ((s * t).sum(-1) + ((s - t) * r).sum(-1) / h2 + d / h2 - sq / h2**2)
 
     def loss_at(self, x: Tensor, s: Tensor, context: None) -> Tensor:
-        """x, s (B, d) -> per-sample U-statistic terms."""
+        """x, s (B, ...) -> per-sample U-statistic terms (flattened examples)."""
+        x, s = x.flatten(1), s.flatten(1)
         if self.pairing == "halves":
             half = x.shape[0] // 2
             return self.stein_kernel(x[:half], s[:half], x[half : 2 * half], s[half : 2 * half])

@@ -23,18 +23,23 @@ def _leaf(x: Tensor) -> Tensor:
     return x if x.requires_grad else x.detach().requires_grad_(True)
 
 
+def _per_sample(x: Tensor) -> Tensor:
+    """Sum over every dimension but the batch: (B, ...) -> (B,)."""
+    return x.flatten(1).sum(1)
+
+
 class SM(ScoreObjective):
     """Score matching: ½‖s(x)‖² + tr ∇_x s(x), the trace exact (one backward per dimension)."""
 
     def loss(self, score: ScoreField, x: Tensor, context: None) -> Tensor:
-        """x (B, d) -> (B,); differentiable in whatever ``score`` depends on."""
+        """x (B, ...) -> (B,); differentiable in whatever ``score`` depends on."""
         x = _leaf(x)
-        s = score(x)
+        s = score(x).flatten(1)
         trace = torch.zeros_like(s[:, 0])
         for i in range(s.shape[1]):
             (grad,) = torch.autograd.grad(s[:, i].sum(), x, create_graph=True)
-            trace = trace + grad[:, i]
-        return 0.5 * (s**2).sum(-1) + trace
+            trace = trace + grad.flatten(1)[:, i]
+        return 0.5 * (s**2).sum(1) + trace
 
 
 @attrs.frozen
@@ -53,19 +58,19 @@ class SSM(ScoreObjective):
         self.n_slices, self.projection = n_slices, projection
 
     def slices(self, like: Tensor) -> Tensor:
-        """Random directions u (n_slices, B, d) with E[uuᵀ] = I."""
+        """Random directions u (n_slices, B, ...) with E[uuᵀ] = I."""
         u = torch.randn((self.n_slices, *like.shape), dtype=like.dtype, device=like.device)
         return u.sign() if self.projection == "rademacher" else u
 
     def loss(self, score: ScoreField, x: Tensor, context: None) -> Tensor:
-        """x (B, d) -> (B,); differentiable in whatever ``score`` depends on."""
+        """x (B, ...) -> (B,); differentiable in whatever ``score`` depends on."""
         x = _leaf(x)
         s = score(x)
-        jac = torch.zeros_like(s[:, 0])
+        jac = torch.zeros_like(s.flatten(1)[:, 0])
         for u in self.slices(s):
             (grad,) = torch.autograd.grad((u * s).sum(), x, create_graph=True)
-            jac = jac + (u * grad).sum(-1)
-        return 0.5 * (s**2).sum(-1) + jac / self.n_slices
+            jac = jac + _per_sample(u * grad)
+        return 0.5 * _per_sample(s**2) + jac / self.n_slices
 
 
 @attrs.frozen
@@ -82,13 +87,13 @@ class DSM(ScoreObjective):
         self.sigma = sigma
 
     def points(self, v: Tensor) -> tuple[Tensor, Tensor]:
-        """v (B, d) -> (x̃ (B, d), ε (B, d)); ε is the context ``loss_at`` needs."""
+        """v (B, ...) -> (x̃, ε), both shaped like v; ε is the context ``loss_at`` needs."""
         eps = torch.randn_like(v)
         return v + self.sigma * eps, eps
 
     def loss_at(self, x: Tensor, s: Tensor, context: Tensor) -> Tensor:
-        """s (B, d) at x̃, context ε (B, d) -> (B,); (x̃ − v)/σ² = ε/σ."""
-        return 0.5 * ((s + context / self.sigma) ** 2).sum(-1)
+        """s at x̃, context ε (both shaped like v) -> (B,); (x̃ − v)/σ² = ε/σ."""
+        return 0.5 * _per_sample((s + context / self.sigma) ** 2)
 
 
 def build_sm(cfg: NoConfig, parts: Parts) -> SM:

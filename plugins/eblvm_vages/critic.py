@@ -31,14 +31,14 @@ class CriticConfig:
 
 
 def vaes_score(model: EnergyModel, posterior: Posterior, n_samples: int) -> Callable[[Tensor], Tensor]:
-    """x ↦ (1/L) Σ_l ∇_x log p̃(x, h_l), h_l ~ q(h|x): (B, d) -> (B, d), no graph kept."""
+    """x ↦ (1/L) Σ_l ∇_x log p̃(x, h_l), h_l ~ q(h|x): x (B, ...) -> shaped like x, no graph kept."""
 
     def score(x: Tensor) -> Tensor:
         n, b = n_samples, x.shape[0]
         h = posterior.sample(x, n).reshape(n * b, -1)
         xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:]).requires_grad_(True)
         (grad,) = torch.autograd.grad(-model.energy(xl, h).sum(), xl)
-        return grad.view(n, b, -1).mean(0)
+        return grad.view(n, *x.shape).mean(0)
 
     return score
 
@@ -59,21 +59,27 @@ def critic_objective(f: nn.Module, x: Tensor, s: Tensor, exact_trace: bool) -> T
 class FisherCritic:
     """Evaluator: fits a fresh critic each call and reports ``fisher`` (nats per data point)."""
 
+    reports = ("fisher",)
+
     def __init__(self, cfg: CriticConfig, parts: Parts):
         self.cfg = cfg
         model = parts.need("model", "eval")
         if not model.has_free_energy and parts.posterior is None:
             raise ConfigError("eval", "kind", "fisher-critic needs a model with a free energy or a [posterior] for VaES")
+        if not parts.need("data", "eval").has(cfg.split):
+            raise ConfigError("eval", "split", f"the data set has no '{cfg.split}' split")
 
     def __call__(self, parts: Parts) -> EvalResult:
         cfg, data = self.cfg, parts.data
         model = parts.model
-        score = (lambda x: exact_score(model, x, create_graph=False)) if model.has_free_energy else \
+        model_score = (lambda x: exact_score(model, x, create_graph=False)) if model.has_free_energy else \
             vaes_score(model, parts.posterior, cfg.n_samples)
-        target = getattr(data, cfg.split)
-        if target is None:
-            raise ConfigError("eval", "split", f"the data set has no {cfg.split} split")
-        train = data.train.flatten(1)
+
+        def score(x: Tensor) -> Tensor:  # flattened points (B, d) -> flattened scores (B, d)
+            return model_score(x.view(len(x), *data.shape)).flatten(1)
+
+        target = data.tensor(cfg.split)
+        train = data.tensor("train").flatten(1)
         d = train.shape[1]
         exact_trace = d <= cfg.exact_trace_max_dim
         gen = torch.Generator().manual_seed(cfg.seed)

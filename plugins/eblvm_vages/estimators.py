@@ -23,15 +23,15 @@ from eblvm_core.optim import apply_update
 
 
 def joint_scores(model: EnergyModel, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    """∇_x log p̃(x, h_l) (L, B, d) with the graph to θ kept, and log p̃(x, h_l) (L, B).
+    """∇_x log p̃(x, h_l) (L, *x.shape) with the graph to θ kept, and log p̃(x, h_l) (L, B).
 
-    x (B, d) is detached inside; h (L, B, m) is treated as a constant.
+    x (B, ...) is detached inside; h (L, B, m) is treated as a constant.
     """
     n, b = h.shape[:2]
     xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:]).requires_grad_(True)
     log_joint = -model.energy(xl, h.reshape(n * b, -1))
     (grad,) = torch.autograd.grad(log_joint.sum(), xl, create_graph=True)
-    return grad.view(n, b, -1), log_joint.view(n, b)
+    return grad.view(n, *x.shape), log_joint.view(n, b)
 
 
 def langevin_correct(model: EnergyModel, x: Tensor, h: Tensor, steps: int, step_size: float, noise: float) -> Tensor:
@@ -52,6 +52,8 @@ def langevin_correct(model: EnergyModel, x: Tensor, h: Tensor, steps: int, step_
 
 class VariationalScore(Estimator):
     """Trains θ on a value-only objective through VaES (``covariance=False``) or VaGES."""
+
+    roles = ("model", "posterior")
 
     def __init__(self, parts: Parts, cfg: "VaGESConfig", covariance: bool):
         self.model: EnergyModel = parts.need("model", "estimator")
@@ -96,7 +98,7 @@ class VariationalScore(Estimator):
         (z,) = torch.autograd.grad(value, s_const)
         surrogate = (z * s).sum()
         if self.covariance:
-            a = (grads.detach() * z).sum(-1)  # (L, B)
+            a = (grads.detach() * z).flatten(2).sum(-1)  # (L, B)
             centred = a - a.mean(0, keepdim=True)
             surrogate = surrogate + (centred * log_joint).sum() / (h.shape[0] - 1)
         return surrogate, value.detach()
@@ -106,8 +108,8 @@ class VariationalScore(Estimator):
         x, context = self.objective.points(batch)
         metrics = self.fit_posterior(x)
         surrogate, value = self.surrogate(x, context, self.posterior_samples(x))
-        metrics["grad_norm/model"] = apply_update(self.optimizers["model"], surrogate)
-        metrics["loss"] = float(value)
+        apply_update(self.optimizers["model"], surrogate)
+        metrics["loss"] = value
         return metrics
 
 
@@ -142,6 +144,8 @@ class ImportanceScore(Estimator):
     so ŝ(x) = Σ_l w_l ∇_x log p̃(x, h_l) with self-normalised weights w ∝ p̃(x, h_l).
     """
 
+    roles = ("model",)
+
     def __init__(self, parts: Parts, n_samples: int):
         self.model: EnergyModel = parts.need("model", "estimator")
         self.objective: ScoreObjective = parts.need("objective", "estimator")
@@ -166,8 +170,8 @@ class ImportanceScore(Estimator):
     def step(self, batch: Tensor) -> dict[str, float]:
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
-        grad_norm = apply_update(self.optimizers["model"], loss)
-        return {"loss": float(loss.detach()), "grad_norm/model": grad_norm}
+        apply_update(self.optimizers["model"], loss)
+        return {"loss": loss.detach()}
 
 
 def build_is_score(cfg: ISConfig, parts: Parts) -> ImportanceScore:

@@ -1,0 +1,167 @@
+"""Training batches for every data set: in memory or through DataLoader workers, sharded by rank,
+reproducible per (seed, epoch, rank), checkpointable; and the image transforms data sets offer.
+
+``run.batch_size`` is global: with world size W each rank draws B/W examples of every batch, so
+W ranks together see exactly the batches one process would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Literal
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.config import non_negative, option
+from eblvm_core.contracts import DataSplits
+
+
+class EpochOrder:
+    """The permutation of n examples for each epoch, a function of (seed, epoch) only.
+
+    Epoch e's order is the (e+1)-th ``randperm(n)`` of a generator seeded with ``seed``, so a
+    stream of epochs equals one generator drawing permutation after permutation; a later epoch
+    is reached by replaying the draws (milliseconds per epoch), e.g. on resume.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._generator = torch.Generator().manual_seed(seed)
+        self._next_epoch = 0
+
+    def __call__(self, epoch: int) -> Tensor:
+        if epoch < self._next_epoch:
+            self._generator.manual_seed(self.seed)
+            self._next_epoch = 0
+        while True:
+            order = torch.randperm(self.n, generator=self._generator)
+            self._next_epoch += 1
+            if self._next_epoch > epoch:
+                return order
+
+
+class Shards:
+    """This rank's example indices: batch i of epoch e is ``order(e)[i·B : (i+1)·B]`` (the last
+    partial batch of an epoch is dropped) and rank r takes the r-th of W equal slices of it.
+    Iterated (as a DataLoader's batch sampler) it yields the batches of epoch ``start[0]``
+    from position ``start[1]`` on."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int, world_size: int):
+        if batch_size % world_size:
+            raise ValueError(f"batch size {batch_size} is not divisible by the world size {world_size}")
+        self.order, self.batch_size, self.rank, self.world_size = EpochOrder(n, seed), batch_size, rank, world_size
+        self.steps_per_epoch = n // batch_size
+        self.start = (0, 0)
+
+    def indices(self, epoch: int, pos: int) -> Tensor:
+        per_rank = self.batch_size // self.world_size
+        first = pos * self.batch_size + self.rank * per_rank
+        return self.order(epoch)[first : first + per_rank]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, pos = self.start
+        for i in range(pos, self.steps_per_epoch):
+            yield self.indices(epoch, i).tolist()
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self.start[1]
+
+
+class Batches:
+    """An endless stream of training batches (B/W, *event_shape) on ``device``, prepared and augmented.
+
+    The examples of each batch come from ``Shards``. In-memory tensors are indexed on their
+    device; a Dataset is read by ``data.workers`` DataLoader processes (pinned memory and
+    non-blocking copies on CUDA). The random augmentation of each batch uses a generator
+    seeded from (seed, epoch, batch, rank), so batches do not depend on workers, resumes or
+    timing. ``state_dict`` is (epoch, batches consumed in it).
+    """
+
+    def __init__(self, data: DataSplits, batch_size: int, seed: int, device: torch.device, dtype: torch.dtype,
+                 rank: int = 0, world_size: int = 1, split: str = "train", augment: bool = True):
+        self.data, self.device, self.dtype = data, torch.device(device), dtype
+        self.store = getattr(data, split)
+        self.shards = Shards(len(self.store), min(batch_size, len(self.store)), seed, rank, world_size)
+        self.steps_per_epoch = self.shards.steps_per_epoch
+        self.seed, self.rank, self.use_augment = seed, rank, augment
+        self.epoch, self.pos = 0, 0
+        self._iter: Iterator[Tensor] | None = None
+        self._loader = None
+        if not isinstance(self.store, Tensor):
+            from torch.utils.data import DataLoader
+
+            self._loader = DataLoader(self.store, batch_sampler=self.shards, num_workers=data.workers,
+                                      pin_memory=self.device.type == "cuda", persistent_workers=data.workers > 0)
+
+    def _raw(self) -> Tensor:
+        if self._loader is None:
+            idx = self.shards.indices(self.epoch, self.pos)
+            return self.store[idx.to(self.store.device)]
+        if self._iter is None:
+            self.shards.start = (self.epoch, self.pos)
+            self._iter = iter(self._loader)
+        return next(self._iter).to(self.device, non_blocking=True)
+
+    def next(self) -> Tensor:
+        """The next batch of this rank: (B/W, *event_shape), on the device, in the run's dtype."""
+        if self.pos >= self.steps_per_epoch:
+            self.epoch, self.pos, self._iter = self.epoch + 1, 0, None
+        batch = self._raw()
+        if batch.device != self.device:
+            batch = batch.to(self.device, non_blocking=True)
+        if self.data.prepare is not None:
+            batch = self.data.prepare(batch)
+        batch = batch.to(self.dtype)
+        if self.use_augment and self.data.augment is not None:
+            generator = torch.Generator(device=self.device).manual_seed(
+                hash((self.seed, self.epoch, self.pos, self.rank)) % 2**63)
+            batch = self.data.augment(batch, generator)
+        self.pos += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.pos, self._iter = int(state["epoch"]), int(state["pos"]), None
+
+
+# ---- image transforms (data-set options) -------------------------------------------------------
+
+
+@attrs.frozen
+class ImageOptions:
+    """Options of image data sets (subclass it in a data set's config)."""
+
+    scale: Literal["unit", "symmetric"] = option("unit", "pixel values in [0, 1] ('unit') or [-1, 1] ('symmetric')")
+    dequantize: bool = option(False, "add uniform noise before scaling during training: (x + u)/256, u ~ U[0, 1)")
+    flip: bool = option(False, "random horizontal flips during training")
+    workers: int = option(0, "DataLoader worker processes for data read from files (0: in the main process)", non_negative)
+
+
+def image_pipeline(options: ImageOptions) -> tuple[Any, Any]:
+    """(prepare, augment) for uint8 images (B, C, H, W) under ``options``.
+
+    prepare: x/255 (or, with dequantisation, x/256 + 1/512 so that the mean of the noisy value
+    is kept), then [-1, 1] if symmetric. augment: the dequantisation noise u/256 and flips.
+    """
+    dequantize = options.dequantize
+    low, span = (0.0, 1.0) if options.scale == "unit" else (-1.0, 2.0)
+
+    def prepare(x: Tensor) -> Tensor:
+        if x.dtype != torch.uint8:
+            return x
+        unit = x.float() / 255.0 if not dequantize else (x.float() + 0.5) / 256.0
+        return low + span * unit
+
+    def augment(x: Tensor, generator: torch.Generator) -> Tensor:
+        if dequantize:
+            u = torch.rand(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+            x = x + span * (u - 0.5) / 256.0
+        if options.flip:
+            flip = torch.rand(x.shape[0], generator=generator, device=x.device) < 0.5
+            x = torch.where(flip.view(-1, *[1] * (x.dim() - 1)), x.flip(-1), x)
+        return x
+
+    return prepare, augment
