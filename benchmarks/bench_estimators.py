@@ -18,8 +18,9 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -35,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKERBOARD = [
     ("exact-score DSM", "grbm_dsm.toml", []),
     ("exact-score SSM", "grbm_ssm.toml", []),
-    ("BiDSM (K=5, N=5, sgd)", "grbm_bidsm.toml", ["estimator.unroll=\"sgd\""]),
-    ("BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ["estimator.unroll=\"adam\""]),
+    ("BiDSM (K=5, N=5, sgd)", "grbm_bidsm.toml", ['estimator.unroll="sgd"']),
+    ("BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ['estimator.unroll="adam"']),
     ("BiSSM (K=5, N=5)", "grbm_bissm.toml", []),
     ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", []),
     ("VaGES-DSM (L=2, K=5)", "grbm_vagesdsm.toml", []),
@@ -49,7 +50,7 @@ CHECKERBOARD = [
 FREY = [
     ("exact-score DSM", "freyface_dsm.toml", []),
     ("BiDSM (K=5, N=5, adam)", "freyface_bidsm.toml", []),
-    ("BiDSM (K=5, N=5, sgd)", "freyface_bidsm.toml", ["estimator.unroll=\"sgd\""]),
+    ("BiDSM (K=5, N=5, sgd)", "freyface_bidsm.toml", ['estimator.unroll="sgd"']),
     ("VaGES-DSM (L=2, K=5)", "freyface_vagesdsm.toml", []),
 ]
 NO_EVAL = ["run.log_every=1"]
@@ -77,7 +78,7 @@ def make_case(size: str, name: str, recipe: Path, overrides: list[str], block: i
     spec = load_recipe(recipe, overrides + NO_EVAL)
     seed_everything(0)
     built = build(spec, torch.device(device))
-    estimator, batch = built.parts.estimator, built.parts.data.train[: spec.run.batch_size]
+    estimator, batch = built.parts.estimator, built.parts.data.tensor("train", spec.run.batch_size)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def step() -> None:
@@ -105,7 +106,11 @@ def time_interleaved(cases: list[Case], rounds: int, warmup: int) -> None:
 
 def summary(case: Case) -> tuple[float, float, float]:
     """(median step, 10th and 90th percentile of the round medians), in ms."""
-    deciles = statistics.quantiles(case.round_medians, n=10, method="inclusive") if len(case.round_medians) > 1 else case.round_medians * 9
+    deciles = (
+        statistics.quantiles(case.round_medians, n=10, method="inclusive")
+        if len(case.round_medians) > 1
+        else case.round_medians * 9
+    )
     return 1000 * statistics.median(case.times), 1000 * deciles[0], 1000 * deciles[-1]
 
 
@@ -123,11 +128,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         frey = frey_stand_in(Path(tmp))
         specs = [("checkerboard", n, r, o, args.block) for n, r, o in CHECKERBOARD]
-        specs += [("Frey size", n, r, o + [f"data.root=\"{frey}\""], args.frey_block) for n, r, o in FREY]
+        specs += [("Frey size", n, r, o + [f'data.root="{frey}"'], args.frey_block) for n, r, o in FREY]
         for threads in args.threads:
             torch.set_num_threads(threads)
-            cases = [make_case(size, name, ROOT / "recipes" / recipe, overrides, block, args.device)
-                     for size, name, recipe, overrides, block in specs]
+            cases = [
+                make_case(size, name, ROOT / "recipes" / recipe, overrides, block, args.device)
+                for size, name, recipe, overrides, block in specs
+            ]
             time_interleaved(cases, args.rounds, warmup=3)
             for case in cases:
                 median, low, high = summary(case)
@@ -141,8 +148,10 @@ def main() -> None:
         machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}"
         if args.device == "cuda":
             machine += f", {torch.cuda.get_device_name()}"
-        note = (f"Machine: {machine}. Median of one `estimator.step` over {args.rounds} interleaved rounds "
-                "(in brackets: 10th-90th percentile of the round medians).")
+        note = (
+            f"Machine: {machine}. Median of one `estimator.step` over {args.rounds} interleaved rounds "
+            "(in brackets: 10th-90th percentile of the round medians)."
+        )
         args.out.write_text("\n".join([note, "", *lines, ""]))
 
 

@@ -8,7 +8,8 @@ handed to the solvers are flat 1-D tensors.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -120,7 +121,7 @@ class DifferentiableAdam:
     exp_avg_sq: list[Tensor]
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> "DifferentiableAdam":
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> DifferentiableAdam:
         """Copy hyper-parameters and state of ``optimizer`` (an Adam) for ``params``."""
         if not isinstance(optimizer, torch.optim.Adam):
             raise TypeError(f"a differentiable Adam step needs a torch.optim.Adam, got {type(optimizer).__name__}")
@@ -228,7 +229,7 @@ def neumann(
     if b_norm == 0.0:
         return torch.zeros_like(b), SolveInfo(0, 0.0)
     size, k = 1.0, 0
-    for k in range(1, iterations + 1):
+    for k in range(1, iterations + 1):  # noqa: B007 - k is reported after the loop
         term = term - step * (matvec(term) + damping * term)
         total = total + term
         size = float(term.norm()) / b_norm
@@ -237,8 +238,9 @@ def neumann(
     return step * total, SolveInfo(k, size)
 
 
-def fit_posterior(divergence: Any, model: nn.Module, posterior: nn.Module, optimizer: torch.optim.Optimizer,
-                  x: Tensor, steps: int) -> dict[str, float]:
+def fit_posterior(
+    divergence: Any, model: nn.Module, posterior: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, steps: int
+) -> dict[str, float]:
     """``steps`` real updates of φ on the lower level G = mean D(q(h|x) ‖ p(h|x)); θ is not touched.
 
     Returns the last ``lower_loss`` as a 0-d tensor (empty when steps = 0).

@@ -4,8 +4,9 @@ happens here, so ``eblvm validate`` (a dry build) rejects what ``eblvm run`` wou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import torch
@@ -34,7 +35,9 @@ def pick_device(choice: str) -> torch.device:
             raise ConfigError("run", "device", f"{choice} requested but no CUDA device is available")
         index = int(choice.partition(":")[2] or 0)
         if index >= torch.cuda.device_count():
-            raise ConfigError("run", "device", f"{choice} requested but this machine has {torch.cuda.device_count()} CUDA device(s)")
+            raise ConfigError(
+                "run", "device", f"{choice} requested but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
     if choice == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("run", "device", "mps requested but it is not available")
     return torch.device(choice)
@@ -81,9 +84,15 @@ def _check_roles(recipe: Recipe, estimator: Any, missing: list[str]) -> None:
     for name in recipe.optim:
         if name not in roles:
             hint = did_you_mean(name, missing) or did_you_mean(name, list(roles))
-            raise ConfigError(f"optim.{name}", None, f"unknown role{hint}; estimator '{kind}' trains: {', '.join(roles)}")
+            raise ConfigError(
+                f"optim.{name}", None, f"unknown role{hint}; estimator '{kind}' trains: {', '.join(roles)}"
+            )
     for name in missing:
-        raise ConfigError(f"optim.{name}", "kind", f"missing: estimator '{kind}' trains role '{name}'; add [optim.{name}] with an optimizer kind")
+        raise ConfigError(
+            f"optim.{name}",
+            "kind",
+            f"missing: estimator '{kind}' trains role '{name}'; add [optim.{name}] with an optimizer kind",
+        )
 
 
 def _check_precision(recipe: Recipe, estimator: Any) -> None:
@@ -91,8 +100,12 @@ def _check_precision(recipe: Recipe, estimator: Any) -> None:
     allowed = tuple(getattr(estimator, "precisions", ("fp32",)))
     if precision not in allowed:
         why = getattr(estimator, "precision_note", "")
-        raise ConfigError("run", "precision", f"estimator '{recipe.parts['estimator'].kind}' supports {', '.join(allowed)}, "
-                          f"not {precision}" + (f" ({why})" if why else ""))
+        raise ConfigError(
+            "run",
+            "precision",
+            f"estimator '{recipe.parts['estimator'].kind}' supports {', '.join(allowed)}, "
+            f"not {precision}" + (f" ({why})" if why else ""),
+        )
 
 
 def _check_select_metric(recipe: Recipe, evaluators: list[tuple[str, Any]]) -> None:
@@ -107,7 +120,11 @@ def _check_select_metric(recipe: Recipe, evaluators: list[tuple[str, Any]]) -> N
         keys.update(f"eval/{name}/{key}" for key in reports)
     if metric not in keys:
         hint = did_you_mean(metric, sorted(keys))
-        raise ConfigError("run", "select_metric", f"no evaluator reports '{metric}'{hint}; reported: {', '.join(sorted(keys)) or 'nothing'}")
+        raise ConfigError(
+            "run",
+            "select_metric",
+            f"no evaluator reports '{metric}'{hint}; reported: {', '.join(sorted(keys)) or 'nothing'}",
+        )
 
 
 def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry_run: bool = False) -> Built:
@@ -166,7 +183,9 @@ def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = Fals
         from eblvm_core.compare import load_spec
 
         spec = load_spec(path, overrides)
-        recipes = [validate(merged, str(spec.path.parent / m.recipe)) for m, merged in zip(spec.methods, spec.recipes.values())]
+        recipes = [
+            validate(merged, str(spec.path.parent / m.recipe)) for m, merged in zip(spec.methods, spec.recipes.values())
+        ]
     else:
         from eblvm_core.recipe import load_recipe
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import typer
 
-from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
+from eblvm_core.errors import EblvmError, TrainingDiverged
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
-                  help="Learn energy-based latent variable models from TOML recipes.",
-                  epilog="Plugins may add commands: `eblvm plugins` lists them.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    help="Learn energy-based latent variable models from TOML recipes.",
+    epilog="Plugins may add commands: `eblvm plugins` lists them.",
+)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -32,11 +37,11 @@ def guarded(fn: Callable[[], None]) -> None:
 
 @app.command()
 def run(
-    recipe: Optional[Path] = typer.Argument(None, help="recipe file (omit with --resume)"),
+    recipe: Path | None = typer.Argument(None, help="recipe file (omit with --resume)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     out: Path = typer.Option(Path("runs"), help="folder that holds run directories"),
-    resume: Optional[Path] = typer.Option(None, help="continue the run in this run directory"),
+    resume: Path | None = typer.Option(None, help="continue the run in this run directory"),
 ) -> None:
     """Train a model as a recipe says; print the final evaluation."""
     _check_device(device)
@@ -58,7 +63,11 @@ def run(
 def validate(
     recipes: list[Path] = typer.Argument(..., help="recipe files or comparison specs"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
-    check_data: bool = typer.Option(False, "--check-data", help="also require the data files (by default a data set whose files are absent is replaced by a stand-in, with a warning)"),
+    check_data: bool = typer.Option(
+        False,
+        "--check-data",
+        help="also require the data files (by default a data set whose files are absent is replaced by a stand-in, with a warning)",
+    ),
 ) -> None:
     """Dry-run recipes: build every part at recipe size without training, downloading or writing.
 
@@ -103,7 +112,7 @@ def plugins() -> None:
         typer.echo(f"{name}  FAILED: {why}")
 
 
-def _check_device(device: Optional[str]) -> None:
+def _check_device(device: str | None) -> None:
     import re
 
     if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device):
@@ -114,9 +123,16 @@ def _check_device(device: Optional[str]) -> None:
 def eval_run(
     run_dir: Path = typer.Argument(..., help="a run directory (holds recipe.toml and checkpoints/)"),
     checkpoint: str = typer.Option("last", help="last, best (needs [run] select_metric) or a checkpoint path"),
-    evaluator: list[str] = typer.Option([], "--evaluator", "-e", help="evaluator name, run with its default config; repeatable (default: the recipe's [[eval]])"),
-    override: list[str] = typer.Option([], "-o", "--override", help="section.key=value applied to the recipe; repeatable"),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
+    evaluator: list[str] = typer.Option(
+        [],
+        "--evaluator",
+        "-e",
+        help="evaluator name, run with its default config; repeatable (default: the recipe's [[eval]])",
+    ),
+    override: list[str] = typer.Option(
+        [], "-o", "--override", help="section.key=value applied to the recipe; repeatable"
+    ),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of every RNG before evaluating"),
 ) -> None:
     """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl."""
@@ -140,10 +156,12 @@ def eval_run(
 def sample(
     run_dir: Path = typer.Argument(..., help="a run directory"),
     n: int = typer.Option(64, "-n", min=1, help="number of samples"),
-    out: Optional[Path] = typer.Option(None, help="image file (default RUN_DIR/samples.png)"),
+    out: Path | None = typer.Option(None, help="image file (default RUN_DIR/samples.png)"),
     checkpoint: str = typer.Option("last", help="last, best or a checkpoint path"),
-    sampler: Optional[str] = typer.Option(None, help="sampler name (default: the recipe's [sampler], else the model's default)"),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
+    sampler: str | None = typer.Option(
+        None, help="sampler name (default: the recipe's [sampler], else the model's default)"
+    ),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of the sampler"),
 ) -> None:
     """Draw samples from a trained model and save them as an image (a scatter for 2-D data)."""
@@ -167,12 +185,12 @@ def sample(
 @app.command()
 def compare(
     spec: Path = typer.Argument(..., help="comparison spec (TOML with [compare] and [[method]] sections)"),
-    seeds: Optional[int] = typer.Option(None, min=1, help="seeds per method (default: the spec's)"),
+    seeds: int | None = typer.Option(None, min=1, help="seeds per method (default: the spec's)"),
     jobs: int = typer.Option(1, min=1, help="runs in parallel processes"),
-    steps: Optional[int] = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
-    out: Optional[Path] = typer.Option(None, help="results folder (default results/<name>)"),
+    steps: int | None = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
+    out: Path | None = typer.Option(None, help="results folder (default results/<name>)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
 ) -> None:
     """Run a set of recipes over seeds; write a Markdown table, a figure and results.json."""
     _check_device(device)
@@ -197,7 +215,9 @@ def main() -> None:
 
         for name, fn, plugin in load().commands:
             if name in builtin:
-                typer.echo(f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True)
+                typer.echo(
+                    f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True
+                )
             else:
                 app.command(name)(fn)
     app()

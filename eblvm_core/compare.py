@@ -43,9 +43,10 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -54,8 +55,20 @@ from torch import Tensor
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 
-PALETTE = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
-           (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207), (0, 0, 0), (0, 0, 128))
+PALETTE = (
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (214, 39, 40),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (127, 127, 127),
+    (188, 189, 34),
+    (23, 190, 207),
+    (0, 0, 0),
+    (0, 0, 128),
+)
 
 
 @attrs.frozen
@@ -65,13 +78,24 @@ class CompareConfig:
     name: str = option("compare", "name of the comparison; results go to results/<name> unless --out is given")
     seeds: int = option(3, "seeds per method (seed_offset, seed_offset + 1, ...); --seeds overrides", positive)
     seed_offset: int = option(0, "first seed", non_negative)
-    metrics: list[str] = option(["eval/exact-loglik/test_loglik"], "final eval scalars to tabulate (mean ± std over seeds)")
+    metrics: list[str] = option(
+        ["eval/exact-loglik/test_loglik"], "final eval scalars to tabulate (mean ± std over seeds)"
+    )
     curve: str = option("", "scalar of metrics.jsonl drawn as learning curves ('' for none)")
-    curve_range: list[float] | None = option(None, "[low, high] of the curve plot's value axis (values outside sit on its edge); None fits all")
-    image: str = option("", "evaluator whose first image shows each method (first seed, tabulated checkpoint), 'samples' for model samples, '' for none")
+    curve_range: list[float] | None = option(
+        None, "[low, high] of the curve plot's value axis (values outside sit on its edge); None fits all"
+    )
+    image: str = option(
+        "",
+        "evaluator whose first image shows each method (first seed, tabulated checkpoint), 'samples' for model samples, '' for none",
+    )
     n_samples: int = option(1000, "samples drawn when image = 'samples'", positive)
-    checkpoint: Literal["last", "best"] = option("last", "tabulate the final evaluation, or re-evaluate checkpoints/best.pt")
-    eval_mode: Literal["append", "replace"] = option("append", "the spec's [[eval]] tables extend or replace each recipe's [[eval]] list")
+    checkpoint: Literal["last", "best"] = option(
+        "last", "tabulate the final evaluation, or re-evaluate checkpoints/best.pt"
+    )
+    eval_mode: Literal["append", "replace"] = option(
+        "append", "the spec's [[eval]] tables extend or replace each recipe's [[eval]] list"
+    )
     overrides: list[str] = option([], "overrides applied to every method's recipe")
 
 
@@ -120,10 +144,16 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
     try:
         unknown = [k for k in raw if k not in ("compare", "method", "eval", "final_eval")]
         if unknown:
-            raise ConfigError(unknown[0], None, "unknown section; a spec has [compare], [[method]], [[eval]] and [[final_eval]]")
+            raise ConfigError(
+                unknown[0], None, "unknown section; a spec has [compare], [[method]], [[eval]] and [[final_eval]]"
+            )
         compare = structure(CompareConfig, raw.get("compare", {}), "compare")
-        if compare.curve_range is not None and not (len(compare.curve_range) == 2 and compare.curve_range[0] < compare.curve_range[1]):
-            raise ConfigError("compare", "curve_range", f"must be [low, high] with low < high, got {compare.curve_range}")
+        if compare.curve_range is not None and not (
+            len(compare.curve_range) == 2 and compare.curve_range[0] < compare.curve_range[1]
+        ):
+            raise ConfigError(
+                "compare", "curve_range", f"must be [low, high] with low < high, got {compare.curve_range}"
+            )
         methods = [structure(MethodConfig, body, f"method.{i}") for i, body in enumerate(_tables(raw, "method"))]
         if not methods:
             raise ConfigError("method", None, "a spec needs at least one [[method]]")
@@ -168,6 +198,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(log_path, "w") as log:
+
         def echo(line: str) -> None:
             log.write(line + "\n")
             log.flush()
@@ -176,8 +207,14 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     final = _tabulated(run_dir, task, final)
     image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
-    return {"method": task["method"], "seed": task["seed"], "run_dir": str(run_dir), "seconds": seconds,
-            "final": final, "image": image}
+    return {
+        "method": task["method"],
+        "seed": task["seed"],
+        "run_dir": str(run_dir),
+        "seconds": seconds,
+        "final": final,
+        "image": image,
+    }
 
 
 def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> dict[str, float]:
@@ -216,9 +253,16 @@ def _image(run_dir: Path, task: dict[str, Any]) -> str | None:
     return str(path)
 
 
-def compare(spec_path: str | Path, seeds: int | None = None, jobs: int = 1, steps: int | None = None,
-            out: str | Path | None = None, device: str | None = None, overrides: list[str] = (),
-            echo: Callable[[str], None] = print) -> Path:
+def compare(
+    spec_path: str | Path,
+    seeds: int | None = None,
+    jobs: int = 1,
+    steps: int | None = None,
+    out: str | Path | None = None,
+    device: str | None = None,
+    overrides: list[str] = (),
+    echo: Callable[[str], None] = print,
+) -> Path:
     """Run the spec's methods over seeds and write table.md, figure.png and results.json into
     ``out`` (default results/<name>); returns that folder. ``steps`` sets run.steps of every
     method (quick or smoke runs); ``overrides`` apply to every method after the spec's."""
@@ -237,14 +281,24 @@ def compare(spec_path: str | Path, seeds: int | None = None, jobs: int = 1, step
         recipe_path.write_text(tomli_w.dumps(spec.recipes[method.name]))
         for i in range(n_seeds):
             seed = cfg.seed_offset + i
-            tasks.append({
-                "method": method.name, "seed": seed, "first_seed": i == 0, "device": device,
-                "recipe": str(recipe_path), "out": str(out / "runs"), "threads": threads,
-                "overrides": [f"run.seed={seed}", f"run.name={slug(method.name)}-seed{seed}"],
-                "log": str(out / "logs" / f"{slug(method.name)}-seed{seed}.log"),
-                "checkpoint": cfg.checkpoint, "final_evals": spec.final_evals,
-                "image": cfg.image, "n_samples": cfg.n_samples, "images_dir": str(out / "images"),
-            })
+            tasks.append(
+                {
+                    "method": method.name,
+                    "seed": seed,
+                    "first_seed": i == 0,
+                    "device": device,
+                    "recipe": str(recipe_path),
+                    "out": str(out / "runs"),
+                    "threads": threads,
+                    "overrides": [f"run.seed={seed}", f"run.name={slug(method.name)}-seed{seed}"],
+                    "log": str(out / "logs" / f"{slug(method.name)}-seed{seed}.log"),
+                    "checkpoint": cfg.checkpoint,
+                    "final_evals": spec.final_evals,
+                    "image": cfg.image,
+                    "n_samples": cfg.n_samples,
+                    "images_dir": str(out / "images"),
+                }
+            )
     echo(f"compare {spec.path}: {len(spec.methods)} methods × {n_seeds} seeds, {jobs} job(s), results in {out}")
     results = []
 
@@ -259,8 +313,11 @@ def compare(spec_path: str | Path, seeds: int | None = None, jobs: int = 1, step
     else:
         for task in tasks:
             done(run_one(task))
-    (out / "results.json").write_text(json.dumps({"spec": str(spec.path), "seeds": n_seeds, "steps": steps,
-                                                  "overrides": extra, "runs": results}, indent=2))
+    (out / "results.json").write_text(
+        json.dumps(
+            {"spec": str(spec.path), "seeds": n_seeds, "steps": steps, "overrides": extra, "runs": results}, indent=2
+        )
+    )
     table = markdown_table(spec, results)
     (out / "table.md").write_text(table)
     figure = compose_figure(spec, results)
@@ -353,7 +410,9 @@ def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int =
     """Labelled images, scaled to ``height``, ``per_row`` to a row (PIL image)."""
     from PIL import Image, ImageDraw
 
-    scaled = [(name, im.resize((max(1, round(im.width * height / im.height)), height), Image.NEAREST)) for name, im in panels]
+    scaled = [
+        (name, im.resize((max(1, round(im.width * height / im.height)), height), Image.NEAREST)) for name, im in panels
+    ]
     cell = max(im.width for _, im in scaled) + 10
     rows = -(-len(scaled) // per_row)
     sheet = Image.new("RGB", (10 + cell * min(per_row, len(scaled)), rows * (height + 30)), "white")
@@ -365,8 +424,13 @@ def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int =
     return sheet
 
 
-def _curve_plot(curves: dict[str, list[tuple[int, float]]], metric: str, value_range: list[float] | None = None,
-                width: int = 640, height: int = 360) -> Any:
+def _curve_plot(
+    curves: dict[str, list[tuple[int, float]]],
+    metric: str,
+    value_range: list[float] | None = None,
+    width: int = 640,
+    height: int = 360,
+) -> Any:
     """Line plot of each method's curve with axis ranges, a title and a legend (PIL only);
     ``value_range`` fixes the value axis, and values outside it are drawn on its edge."""
     from PIL import Image, ImageDraw

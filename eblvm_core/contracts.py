@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Callable, Literal, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -233,7 +234,9 @@ class DataSplits:
         return self.prepare(raw) if self.prepare is not None else raw
 
     @classmethod
-    def stand_in(cls, event_shape: tuple[int, ...], bounds: tuple[float, float] = (0.0, 1.0), n: int = 64) -> "DataSplits":
+    def stand_in(
+        cls, event_shape: tuple[int, ...], bounds: tuple[float, float] = (0.0, 1.0), n: int = 64
+    ) -> DataSplits:
         """Uniform noise of the right shape inside ``bounds``: what a data set returns to ``validate``
         (``parts.dry_run``) when its files are absent, so the rest of the recipe can be checked."""
         g = torch.Generator().manual_seed(0)
@@ -250,7 +253,7 @@ class EvalResult:
     images: dict[str, Tensor] = attrs.field(factory=dict)
 
     @classmethod
-    def mean_over_points(cls, name: str, values: Tensor) -> "EvalResult":
+    def mean_over_points(cls, name: str, values: Tensor) -> EvalResult:
         """Scalars ``name`` (mean of per-point values (n,)) and ``name_stderr`` (std/√n; NaN for n = 1)."""
         n = len(values)
         stderr = float(values.std() / math.sqrt(n)) if n > 1 else float("nan")
@@ -317,9 +320,15 @@ class Parts:
     after ``warn``-ing).
     """
 
-    def __init__(self, device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.float32,
-                 optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
-                 run_dir: Any = None, dry_run: bool = False, **components: Any):
+    def __init__(
+        self,
+        device: torch.device = torch.device("cpu"),
+        dtype: torch.dtype = torch.float32,
+        optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
+        run_dir: Any = None,
+        dry_run: bool = False,
+        **components: Any,
+    ):
         unknown = set(components) - set(SECTION_KINDS)
         if unknown:
             raise TypeError(f"Parts has no section {sorted(unknown)}; sections: {sorted(SECTION_KINDS)}")
@@ -341,7 +350,7 @@ class Parts:
         else:
             object.__setattr__(self, name, value)
 
-    def evolve(self, **changes: Any) -> "Parts":
+    def evolve(self, **changes: Any) -> Parts:
         """A shallow copy with some parts replaced (e.g. a private copy of the posterior)."""
         other = copy.copy(self)
         object.__setattr__(other, "components", {**self.components})

@@ -7,7 +7,8 @@ W ranks together see exactly the batches one process would.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -78,8 +79,18 @@ class Batches:
     timing. ``state_dict`` is (epoch, batches consumed in it).
     """
 
-    def __init__(self, data: DataSplits, batch_size: int, seed: int, device: torch.device, dtype: torch.dtype,
-                 rank: int = 0, world_size: int = 1, split: str = "train", augment: bool = True):
+    def __init__(
+        self,
+        data: DataSplits,
+        batch_size: int,
+        seed: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        split: str = "train",
+        augment: bool = True,
+    ):
         self.data, self.device, self.dtype = data, torch.device(device), dtype
         self.store = getattr(data, split)
         self.shards = Shards(len(self.store), min(batch_size, len(self.store)), seed, rank, world_size)
@@ -91,8 +102,13 @@ class Batches:
         if not isinstance(self.store, Tensor):
             from torch.utils.data import DataLoader
 
-            self._loader = DataLoader(self.store, batch_sampler=self.shards, num_workers=data.workers,
-                                      pin_memory=self.device.type == "cuda", persistent_workers=data.workers > 0)
+            self._loader = DataLoader(
+                self.store,
+                batch_sampler=self.shards,
+                num_workers=data.workers,
+                pin_memory=self.device.type == "cuda",
+                persistent_workers=data.workers > 0,
+            )
 
     def _raw(self) -> Tensor:
         if self._loader is None:
@@ -115,7 +131,8 @@ class Batches:
         batch = batch.to(self.dtype)
         if self.use_augment and self.data.augment is not None:
             generator = torch.Generator(device=self.device).manual_seed(
-                hash((self.seed, self.epoch, self.pos, self.rank)) % 2**63)
+                hash((self.seed, self.epoch, self.pos, self.rank)) % 2**63
+            )
             batch = self.data.augment(batch, generator)
         self.pos += 1
         return batch
@@ -137,7 +154,9 @@ class ImageOptions:
     scale: Literal["unit", "symmetric"] = option("unit", "pixel values in [0, 1] ('unit') or [-1, 1] ('symmetric')")
     dequantize: bool = option(False, "add uniform noise before scaling during training: (x + u)/256, u ~ U[0, 1)")
     flip: bool = option(False, "random horizontal flips during training")
-    workers: int = option(0, "DataLoader worker processes for data read from files (0: in the main process)", non_negative)
+    workers: int = option(
+        0, "DataLoader worker processes for data read from files (0: in the main process)", non_negative
+    )
 
 
 def image_pipeline(options: ImageOptions) -> tuple[Any, Any]:

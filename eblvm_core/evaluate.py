@@ -56,8 +56,9 @@ def resolve_checkpoint(run_dir: Path, which: str) -> Path:
     return path
 
 
-def load_run(run_dir: str | Path, checkpoint: str = "last", device: str | None = None,
-             overrides: list[str] = (), seed: int = 0) -> LoadedRun:
+def load_run(
+    run_dir: str | Path, checkpoint: str = "last", device: str | None = None, overrides: list[str] = (), seed: int = 0
+) -> LoadedRun:
     """Rebuild the run in ``run_dir`` on ``device`` (default: the recipe's) and load a checkpoint.
 
     The networks, the estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA
@@ -139,8 +140,10 @@ def pick_sampler(run: LoadedRun, name: str | None = None) -> Sampler:
         model_kind = run.recipe.parts["model"].kind
         candidates = [e.name for e in registry.entries() if model_kind in getattr(e.factory, "default_for", ())]
         if not candidates:
-            raise EblvmError(f"no sampler for model '{model_kind}': add a [sampler] section to the recipe or pass --sampler "
-                             f"(registered: {', '.join(registry.names()) or 'none'})")
+            raise EblvmError(
+                f"no sampler for model '{model_kind}': add a [sampler] section to the recipe or pass --sampler "
+                f"(registered: {', '.join(registry.names()) or 'none'})"
+            )
         name = candidates[0]
     entry = registry.get(name, section="--sampler")
     section = Section("sampler", entry, structure(entry.config, {}, "sampler"))

@@ -27,7 +27,9 @@ def _spec(name: str, doc: str):
 
 
 for _kind in KINDS:
-    globals()[f"register_{_kind.name}"] = _spec(f"register_{_kind.name}", f"Register {_kind.doc[0].lower()}{_kind.doc[1:]}")
+    globals()[f"register_{_kind.name}"] = _spec(
+        f"register_{_kind.name}", f"Register {_kind.doc[0].lower()}{_kind.doc[1:]}"
+    )
 
 
 @hookspec

@@ -4,7 +4,8 @@ the one helper every parameter update goes through."""
 from __future__ import annotations
 
 import math
-from typing import Iterable, Literal
+from collections.abc import Iterable
+from typing import Literal
 
 import attrs
 import torch
@@ -42,8 +43,9 @@ def adam(cfg: AdamConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
     """Adam (Kingma & Ba); the fused kernel where every parameter is a CPU or CUDA float tensor."""
     params = list(params)
     fused = bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           fused=fused or None)
+    opt = torch.optim.Adam(
+        params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
+    )
     opt.max_grad_norm = cfg.max_grad_norm  # type: ignore[attr-defined]
     return opt
 
@@ -132,7 +134,9 @@ class Cosine(Schedule):
 @attrs.frozen
 class ExponentialConfig:
     gamma: float = option(help="factor applied to the rate once per period, in (0, 1]", validator=in_range(1e-12, 1.0))
-    every: Literal["step", "epoch"] = option("epoch", "the period: one training step or one epoch of the training split")
+    every: Literal["step", "epoch"] = option(
+        "epoch", "the period: one training step or one epoch of the training split"
+    )
 
 
 @attrs.define

@@ -15,8 +15,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import pluggy
@@ -122,8 +123,11 @@ def load(force: bool = False, warn: bool = True) -> Loaded:
                 infos[name].components.setdefault(kind, []).extend(added)
     for impl in pm.hook.register_commands.get_hookimpls():
         if impl.plugin_name not in failed:
-            impl.function(register=lambda fn, name=None, _p=impl.plugin_name: commands.append(
-                (name or fn.__name__.replace("_", "-"), fn, _p)))
+            impl.function(
+                register=lambda fn, name=None, _p=impl.plugin_name: commands.append(
+                    (name or fn.__name__.replace("_", "-"), fn, _p)
+                )
+            )
     if warn:
         for name, why in failed.items():
             print(f"eblvm: plugin '{name}' failed to load and was skipped: {why}", file=sys.stderr)

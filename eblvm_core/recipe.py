@@ -38,12 +38,19 @@ class RunConfig:
     batch_size: int = option(100, "mini-batch size", positive)
     device: str = option("auto", "auto (cuda when available), cpu, cuda, cuda:N or mps", _device)
     dtype: Literal["float32", "float64"] = option("float32", "dtype of parameters and data")
-    precision: Literal["fp32", "bf16", "fp16"] = option("fp32", "autocast precision of training steps (bf16, fp16 with a gradient scaler) for estimators that declare it safe")
-    threads: int = option(0, "CPU threads for torch; 0 keeps torch's default (1 is fastest for small models)", non_negative)
+    precision: Literal["fp32", "bf16", "fp16"] = option(
+        "fp32",
+        "autocast precision of training steps (bf16, fp16 with a gradient scaler) for estimators that declare it safe",
+    )
+    threads: int = option(
+        0, "CPU threads for torch; 0 keeps torch's default (1 is fastest for small models)", non_negative
+    )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
     checkpoint_every: int = option(1000, "steps between checkpoints (one is also written at the end)", positive)
-    select_metric: str | None = option(None, "eval scalar (e.g. 'eval/exact-loglik/val_loglik') whose best value saves checkpoints/best.pt")
+    select_metric: str | None = option(
+        None, "eval scalar (e.g. 'eval/exact-loglik/val_loglik') whose best value saves checkpoints/best.pt"
+    )
     select_mode: Literal["max", "min"] = option("max", "whether a higher or a lower select_metric is better")
 
 
@@ -169,7 +176,11 @@ def _role(name: str, body: Any, plugins: Loaded) -> Role:
             _ema(None, None, ema)
         except (TypeError, ValueError) as exc:
             raise ConfigError(label, "ema", str(exc)) from None
-    return Role(_component(label, body, "optimizers", plugins), _component(f"{label}.schedule", schedule, "schedules", plugins), ema)
+    return Role(
+        _component(label, body, "optimizers", plugins),
+        _component(f"{label}.schedule", schedule, "schedules", plugins),
+        ema,
+    )
 
 
 def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> Recipe:
@@ -178,7 +189,9 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
     try:
         for key in raw:
             if key not in TOP_LEVEL:
-                raise ConfigError(key, None, f"unknown section{did_you_mean(key, TOP_LEVEL)}; valid: {', '.join(TOP_LEVEL)}")
+                raise ConfigError(
+                    key, None, f"unknown section{did_you_mean(key, TOP_LEVEL)}; valid: {', '.join(TOP_LEVEL)}"
+                )
         for key in REQUIRED:
             if key not in raw:
                 raise ConfigError(key, None, "required section is missing")

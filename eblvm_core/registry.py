@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -27,7 +28,12 @@ class Kind:
 
 
 KINDS: tuple[Kind, ...] = (
-    Kind("datasets", "data", "Data sets: factories return ``DataSplits`` (train/test/val, event shape, transform).", required=True),
+    Kind(
+        "datasets",
+        "data",
+        "Data sets: factories return ``DataSplits`` (train/test/val, event shape, transform).",
+        required=True,
+    ),
     Kind("models", "model", "Energy models (``EnergyModel``): E(v, h) or, fully visible, E(v).", required=True),
     Kind("posteriors", "posterior", "Variational posteriors q(h|v) (``Posterior``); also encoders."),
     Kind("generators", "generator", "Generators G(h) -> v (``nn.Module``), e.g. BiDVL's."),
@@ -72,8 +78,15 @@ class Registry:
         self.kind = kind
         self._entries: dict[str, Entry] = {}
 
-    def add(self, name: str, factory: Callable[..., Any], config: type = NoConfig, doc: str | None = None, *,
-            plugin: str = "?") -> None:
+    def add(
+        self,
+        name: str,
+        factory: Callable[..., Any],
+        config: type = NoConfig,
+        doc: str | None = None,
+        *,
+        plugin: str = "?",
+    ) -> None:
         """Register ``factory(config_instance, parts)`` under ``name`` with an attrs config class."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"{self.kind}: a component name must be a non-empty string, got {name!r}")

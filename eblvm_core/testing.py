@@ -29,8 +29,9 @@ from __future__ import annotations
 import json
 import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import pytest
@@ -86,14 +87,24 @@ class LinearGaussianEBLVM(EnergyModel):
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
         """v (B, d), h (B, m) -> (B,)."""
         lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
-        return 0.5 * lam * ((v - self.b) ** 2).sum(-1) + 0.5 * (d * h * h).sum(-1) - ((v @ self.W) * h).sum(-1) - h @ self.c
+        return (
+            0.5 * lam * ((v - self.b) ** 2).sum(-1)
+            + 0.5 * (d * h * h).sum(-1)
+            - ((v @ self.W) * h).sum(-1)
+            - h @ self.c
+        )
 
     def free_energy(self, v: Tensor) -> Tensor:
         """F(v) = ½λ‖v − b‖² − ½ aᵀD⁻¹a + ½ Σ log d_j − (m/2) log 2π, a = Wᵀv + c."""
         lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
         a = v @ self.W + self.c
         m = self.latent.dim
-        return 0.5 * lam * ((v - self.b) ** 2).sum(-1) - 0.5 * (a * a / d).sum(-1) + 0.5 * self.log_d.sum() - 0.5 * m * math.log(2 * math.pi)
+        return (
+            0.5 * lam * ((v - self.b) ** 2).sum(-1)
+            - 0.5 * (a * a / d).sum(-1)
+            + 0.5 * self.log_d.sum()
+            - 0.5 * m * math.log(2 * math.pi)
+        )
 
     def posterior_mean(self, v: Tensor) -> Tensor:
         """E[h | v] = D⁻¹(Wᵀv + c): (B, m)."""
@@ -161,8 +172,9 @@ def linear_gaussian_setup(d: int = 3, m: int = 2, n: int = 16, seed: int = 0) ->
     return _exact("linear-gaussian", model, posterior, parts, n)
 
 
-def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1,
-                    coupling: str = "scaled") -> Exact:
+def tiny_grbm_setup(
+    d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1, coupling: str = "scaled"
+) -> Exact:
     """A Gaussian RBM (d visible, m Bernoulli hidden units) with q = p(h|v), float64.
 
     q is the linear ``bernoulli`` posterior with logits set to c + Uᵀv, the exact GRBM
@@ -174,7 +186,9 @@ def tiny_grbm_setup(d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperat
     parts = Parts(dtype=F64, data=data)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = make("models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8, coupling=coupling).double()
+        model = make(
+            "models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8, coupling=coupling
+        ).double()
         with torch.no_grad():
             model.b.copy_(0.5 * torch.randn(d, generator=g, dtype=F64))
             model.c.copy_(0.5 * torch.randn(m, generator=g, dtype=F64))
@@ -200,8 +214,9 @@ def _mean_and_se(values: Tensor) -> tuple[float, float]:
     return float(values.mean()), float(values.std() / math.sqrt(len(values)))
 
 
-def check_divergence(div: Divergence, setup: Exact | None = None, *, scale: float = 0.5, seeds: int = 3,
-                     repeats: int = 256) -> dict[str, list[float]]:
+def check_divergence(
+    div: Divergence, setup: Exact | None = None, *, scale: float = 0.5, seeds: int = 3, repeats: int = 256
+) -> dict[str, list[float]]:
     """Assert the divergence contract on an exact setup; default: the linear-Gaussian model and,
     unless ``div.requires_continuous_latent``, the tiny GRBM (Bernoulli latents).
 
@@ -216,8 +231,11 @@ def check_divergence(div: Divergence, setup: Exact | None = None, *, scale: floa
 
     Returns the measured gaps per setup.
     """
-    setups = [setup] if setup is not None else [linear_gaussian_setup()] + (
-        [] if div.requires_continuous_latent else [tiny_grbm_setup()])
+    setups = (
+        [setup]
+        if setup is not None
+        else [linear_gaussian_setup()] + ([] if div.requires_continuous_latent else [tiny_grbm_setup()])
+    )
     report: dict[str, list[float]] = {}
     for s in setups:
         where = f"{type(div).__name__} on {s.name}"
@@ -226,22 +244,32 @@ def check_divergence(div: Divergence, setup: Exact | None = None, *, scale: floa
         with torch.random.fork_rng():
             torch.manual_seed(0)
             values = div(model, q, v)
-            assert isinstance(values, Tensor) and values.shape == (len(v),), \
+            assert isinstance(values, Tensor) and values.shape == (len(v),), (
                 f"{where}: must return one value per data point, shape ({len(v)},), got {getattr(values, 'shape', values)!r}"
-            assert values.dtype.is_floating_point and torch.isfinite(values).all(), f"{where}: values not finite: {values}"
+            )
+            assert values.dtype.is_floating_point and torch.isfinite(values).all(), (
+                f"{where}: values not finite: {values}"
+            )
 
             s.perturb(scale, seed=100)
             mean = div(model, q, v).mean()
-            phi, theta = [p for p in q.parameters() if p.requires_grad], [p for p in model.parameters() if p.requires_grad]
+            phi, theta = (
+                [p for p in q.parameters() if p.requires_grad],
+                [p for p in model.parameters() if p.requires_grad],
+            )
             for label, params in (("φ (posterior)", phi), ("θ (model)", theta)):
                 grads = _grads(mean, params)
                 assert all(torch.isfinite(g).all() for g in grads), f"{where}: gradient in {label} is not finite"
-                assert any(g.abs().max() > 0 for g in grads), f"{where}: no gradient in {label} (is the graph cut, e.g. by .detach() or sample()?)"
+                assert any(g.abs().max() > 0 for g in grads), (
+                    f"{where}: no gradient in {label} (is the graph cut, e.g. by .detach() or sample()?)"
+                )
 
             v_rep = v.repeat(repeats, 1)
 
-            def expectation() -> Tensor:  # per repeat, the mean over the batch: (repeats,)
-                return div(model, q, v_rep).detach().view(repeats, len(v)).mean(1)  # grad mode on: D may differentiate in h
+            def expectation(
+                model=model, q=q, v_rep=v_rep, b=len(v)
+            ) -> Tensor:  # per repeat, the batch mean: (repeats,)
+                return div(model, q, v_rep).detach().view(repeats, b).mean(1)  # grad mode on: D may differentiate in h
 
             s.reset()
             at_exact = expectation()
@@ -251,7 +279,8 @@ def check_divergence(div: Divergence, setup: Exact | None = None, *, scale: floa
                 gap, se = _mean_and_se(expectation() - at_exact)
                 assert gap > 4 * se and gap > 0, (
                     f"{where}: not minimal at the exact posterior: perturbing q (seed {seed}) changed "
-                    f"E[D] by {gap:.4g} ± {se:.2g}; a lower level whose minimum is elsewhere biases BiSM")
+                    f"E[D] by {gap:.4g} ± {se:.2g}; a lower level whose minimum is elsewhere biases BiSM"
+                )
                 gaps.append(gap)
         s.reset()
         report[s.name] = gaps
@@ -286,8 +315,16 @@ class GaussianScore(nn.Module):
         return 0.5 * (self(x) ** 2).sum(-1) - torch.trace(self.A)
 
 
-def check_objective(objective: ScoreObjective, identity: str = "fisher", *, d: int = 2, batches: int = 20,
-                    batch_size: int | None = None, precision: float = 10.0, seed: int = 0) -> dict[str, float]:
+def check_objective(
+    objective: ScoreObjective,
+    identity: str = "fisher",
+    *,
+    d: int = 2,
+    batches: int = 20,
+    batch_size: int | None = None,
+    precision: float = 10.0,
+    seed: int = 0,
+) -> dict[str, float]:
     """Assert the score-objective contract on Gaussian data v ~ N(μ₀, A₀⁻¹) and Gaussian score
     fields s(x) = −A(x − μ) (``GaussianScore``).
 
@@ -312,28 +349,39 @@ def check_objective(objective: ScoreObjective, identity: str = "fisher", *, d: i
     assert identity in ("fisher", "stein"), f"identity must be 'fisher' or 'stein', got {identity!r}"
     batch_size = batch_size or (2000 if identity == "fisher" else 200)  # DSM's ε/σ term is noisy; KSD is O(B²)
     name = type(objective).__name__
-    truth, other = GaussianScore(d, seed, precision=precision), GaussianScore(d, seed + 1, scale=1.0, precision=precision)
+    truth, other = (
+        GaussianScore(d, seed, precision=precision),
+        GaussianScore(d, seed + 1, scale=1.0, precision=precision),
+    )
     stats: dict[str, list[float]] = {"diff": [], "closed": [], "true": [], "other": []}
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         for b in range(batches):
             v = truth.sample(batch_size)
             x, context = objective.points(v)
-            assert isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == d, f"{name}.points must return x (B', {d}), got {getattr(x, 'shape', x)}"
+            assert isinstance(x, Tensor) and x.dim() == 2 and x.shape[1] == d, (
+                f"{name}.points must return x (B', {d}), got {getattr(x, 'shape', x)}"
+            )
             loss_true, loss_other = objective.loss(truth, x, context), objective.loss(other, x, context)
-            assert loss_true.dim() == 1 and loss_true.dtype.is_floating_point and torch.isfinite(loss_true).all(), \
+            assert loss_true.dim() == 1 and loss_true.dtype.is_floating_point and torch.isfinite(loss_true).all(), (
                 f"{name}.loss must return finite per-sample losses (B',), got shape {tuple(loss_true.shape)}"
+            )
             if b == 0:
                 grads = _grads(loss_true.mean(), [truth.mu, truth.M])
-                assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads), \
+                assert all(torch.isfinite(g).all() for g in grads) and any(g.abs().max() > 0 for g in grads), (
                     f"{name}: the loss must be differentiable in the score's parameters (finite, non-zero gradient)"
+                )
                 if objective.value_only:
                     state = torch.get_rng_state()
                     via_loss = objective.loss(truth, x, context)
                     torch.set_rng_state(state)
-                    torch.testing.assert_close(objective.loss_at(x, truth(x), context), via_loss, msg=f"{name}: loss != loss_at(x, s(x))")
+                    torch.testing.assert_close(
+                        objective.loss_at(x, truth(x), context), via_loss, msg=f"{name}: loss != loss_at(x, s(x))"
+                    )
             if identity == "fisher":
-                assert loss_true.shape == (len(x),), f"{name}: a Fisher-type loss has one value per point, got {tuple(loss_true.shape)}"
+                assert loss_true.shape == (len(x),), (
+                    f"{name}: a Fisher-type loss has one value per point, got {tuple(loss_true.shape)}"
+                )
                 closed = (truth.hyvarinen(x) - other.hyvarinen(x)).mean().detach()
                 stats["diff"].append(float((loss_true - loss_other).mean().detach() - closed))
                 stats["closed"].append(float(closed))
@@ -348,11 +396,14 @@ def check_objective(objective: ScoreObjective, identity: str = "fisher", *, d: i
         assert abs(signal) > 10 * se, f"{name}: check too noisy to decide (signal {signal:.3g}, se {se:.3g})"
         assert abs(err) <= 5 * se + 1e-9 * (1 + abs(signal)), (
             f"{name}: E[loss(s₁) − loss(s₂)] deviates from the closed form ½E‖s₁‖² − tr A₁ − (½E‖s₂‖² − tr A₂) "
-            f"= {signal:.5g} by {err:.3g} (se {se:.2g})")
+            f"= {signal:.5g} by {err:.3g} (se {se:.2g})"
+        )
         return {"closed_form_difference": signal, "error": err, "se": se}
     at_truth, se_truth = _mean_and_se(t["true"])
     at_other, se_other = _mean_and_se(t["other"])
-    assert abs(at_truth) <= 5 * se_truth + 1e-9, f"{name}: E[loss] at the data's own score is {at_truth:.3g} ± {se_truth:.2g}, not 0"
+    assert abs(at_truth) <= 5 * se_truth + 1e-9, (
+        f"{name}: E[loss] at the data's own score is {at_truth:.3g} ± {se_truth:.2g}, not 0"
+    )
     assert at_other > 5 * se_other, f"{name}: E[loss] at a wrong score is {at_other:.3g} ± {se_other:.2g}, not positive"
     return {"at_truth": at_truth, "at_other": at_other}
 
@@ -393,21 +444,31 @@ def check_estimator(name: str, recipe: str | Path | dict, overrides: list[str] =
 
     raw = _read_recipe(recipe)
     raw.setdefault("estimator", {"kind": name})
-    assert raw["estimator"].get("kind") == name, f"the recipe's [estimator] kind is {raw['estimator'].get('kind')!r}, not {name!r}"
+    assert raw["estimator"].get("kind") == name, (
+        f"the recipe's [estimator] kind is {raw['estimator'].get('kind')!r}, not {name!r}"
+    )
     for override in overrides:
         apply_override(raw, override)
     seed_everything(seed)
     parsed, parts = _build_with_roles(raw, f"<check_estimator {name}>")
     estimator = parts.estimator
-    assert isinstance(estimator.optimizers, dict) and all(isinstance(o, torch.optim.Optimizer) for o in estimator.optimizers.values()), \
-        f"{name}: optimizers must be a dict role -> torch optimizer (made with parts.make_optimizer)"
-    assert sorted(estimator.optimizers) == sorted(estimator.roles), f"{name}: one optimizer per declared role {estimator.roles}"
+    assert isinstance(estimator.optimizers, dict) and all(
+        isinstance(o, torch.optim.Optimizer) for o in estimator.optimizers.values()
+    ), f"{name}: optimizers must be a dict role -> torch optimizer (made with parts.make_optimizer)"
+    assert sorted(estimator.optimizers) == sorted(estimator.roles), (
+        f"{name}: one optimizer per declared role {estimator.roles}"
+    )
     from eblvm_core.optim import optimizer_params
 
     before = {role: [p.detach().clone() for p in optimizer_params(opt)] for role, opt in estimator.optimizers.items()}
     metrics = estimator.step(parts.data.tensor("train", parsed.run.batch_size))
-    assert isinstance(metrics, dict) and "loss" in metrics, f"{name}: step must return a dict of metrics with 'loss', got {metrics!r}"
-    as_float = {k: float(v) if isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.numel() == 1) else v for k, v in metrics.items()}
+    assert isinstance(metrics, dict) and "loss" in metrics, (
+        f"{name}: step must return a dict of metrics with 'loss', got {metrics!r}"
+    )
+    as_float = {
+        k: float(v) if isinstance(v, (int, float)) or (isinstance(v, Tensor) and v.numel() == 1) else v
+        for k, v in metrics.items()
+    }
     bad = {k: v for k, v in as_float.items() if not isinstance(v, float) or not math.isfinite(v)}
     assert not bad, f"{name}: metrics must be finite floats or 0-d tensors, got {bad}"
     for role, opt in estimator.optimizers.items():
@@ -443,7 +504,9 @@ def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enu
     else:
         h = torch.randn(b, latent.dim, dtype=v.dtype)
     energy = model.energy(v, h)
-    assert energy.shape == (b,) and torch.isfinite(energy).all(), f"{name}.energy must return finite (B,) = ({b},), got {tuple(energy.shape)}"
+    assert energy.shape == (b,) and torch.isfinite(energy).all(), (
+        f"{name}.energy must return finite (B,) = ({b},), got {tuple(energy.shape)}"
+    )
     torch.testing.assert_close(model.energy(v[:1], h[:1]), energy[:1], msg=f"{name}.energy mixes samples of the batch")
     (grad_v,) = torch.autograd.grad(energy.sum(), v, retain_graph=True)
     assert torch.isfinite(grad_v).all(), f"{name}.energy: gradient in v not finite"
@@ -453,7 +516,9 @@ def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enu
     if not model.has_free_energy:
         return report
     free = model.free_energy(v)
-    assert free.shape == (b,) and torch.isfinite(free).all(), f"{name}.free_energy must return finite (B,), got {tuple(free.shape)}"
+    assert free.shape == (b,) and torch.isfinite(free).all(), (
+        f"{name}.free_energy must return finite (B,), got {tuple(free.shape)}"
+    )
     v = v.detach()
     with torch.no_grad():
         free = model.free_energy(v)
@@ -470,10 +535,11 @@ def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enu
     elif latent.kind == "gaussian":
         estimate, se = _laplace_free_energy(model, v, n_samples)
         err = (estimate - free).abs()
-        assert (err <= 5 * se + 1e-6 * (1 + free.abs())).all(), f"{name}.free_energy != −log ∫ exp(−E) dh: error {err.max():.3g}, se {se.max():.2g}"
+        assert (err <= 5 * se + 1e-6 * (1 + free.abs())).all(), (
+            f"{name}.free_energy != −log ∫ exp(−E) dh: error {err.max():.3g}, se {se.max():.2g}"
+        )
         report["max_error"] = float(err.max())
     return report
-
 
 
 def check_posterior(posterior: Posterior, v: Tensor, latent: LatentSpec, *, n: int = 2000) -> None:
@@ -487,7 +553,9 @@ def check_posterior(posterior: Posterior, v: Tensor, latent: LatentSpec, *, n: i
     """
     name, b, m = type(posterior).__name__, len(v), latent.dim
     h = posterior.rsample(v, 3)
-    assert h.shape == (3, b, m) and torch.isfinite(h).all(), f"{name}.rsample must return finite (n, B, m) = (3, {b}, {m}), got {tuple(h.shape)}"
+    assert h.shape == (3, b, m) and torch.isfinite(h).all(), (
+        f"{name}.rsample must return finite (n, B, m) = (3, {b}, {m}), got {tuple(h.shape)}"
+    )
     phi = [p for p in posterior.parameters() if p.requires_grad]
     assert any(g.abs().max() > 0 for g in _grads(h.sum(), phi)), f"{name}.rsample is not differentiable in φ"
     draws = posterior.sample(v, n)
@@ -495,11 +563,15 @@ def check_posterior(posterior: Posterior, v: Tensor, latent: LatentSpec, *, n: i
     if latent.kind == "bernoulli":
         assert ((draws == 0) | (draws == 1)).all(), f"{name}.sample must return exact binary draws"
     lp = posterior.log_prob(draws[:2], v)
-    assert lp.shape == (2, b) and torch.isfinite(lp).all(), f"{name}.log_prob of (n, B, m) must be finite (n, B), got {tuple(lp.shape)}"
+    assert lp.shape == (2, b) and torch.isfinite(lp).all(), (
+        f"{name}.log_prob of (n, B, m) must be finite (n, B), got {tuple(lp.shape)}"
+    )
     torch.testing.assert_close(posterior.log_prob(draws[0], v), lp[0], msg=f"{name}.log_prob of h (B, m) must be (B,)")
     mean = posterior.mean(v).detach()
     se = draws.std(0) / math.sqrt(n)
-    assert mean.shape == (b, m) and ((draws.mean(0) - mean).abs() <= 5 * se + 1e-6).all(), f"{name}.mean disagrees with the mean of its samples"
+    assert mean.shape == (b, m) and ((draws.mean(0) - mean).abs() <= 5 * se + 1e-6).all(), (
+        f"{name}.mean disagrees with the mean of its samples"
+    )
     if latent.kind == "bernoulli" and m <= 12:
         import itertools
 
@@ -518,13 +590,19 @@ def check_dataset(data: DataSplits, n: int = 256) -> None:
             continue
         assert data.has(split) and data.size(split) > 0, f"{split} must be a non-empty split"
         x = data.tensor(split, n)
-        assert isinstance(x, Tensor) and x.dtype.is_floating_point and torch.isfinite(x).all(), f"{split} must prepare to finite floats"
-        assert tuple(x.shape[1:]) == data.shape, f"{split} has shape {tuple(x.shape[1:])}, the event shape is {data.shape}"
+        assert isinstance(x, Tensor) and x.dtype.is_floating_point and torch.isfinite(x).all(), (
+            f"{split} must prepare to finite floats"
+        )
+        assert tuple(x.shape[1:]) == data.shape, (
+            f"{split} has shape {tuple(x.shape[1:])}, the event shape is {data.shape}"
+        )
         if data.bounds is not None:
             assert len(data.bounds) == data.dim, "bounds needs one (low, high) per dimension"
             flat = x.flatten(1)
             for j, (lo, hi) in enumerate(data.bounds):
-                assert lo <= flat[:, j].min() and flat[:, j].max() <= hi, f"{split}[:, {j}] leaves its bounds ({lo}, {hi})"
+                assert lo <= flat[:, j].min() and flat[:, j].max() <= hi, (
+                    f"{split}[:, {j}] leaves its bounds ({lo}, {hi})"
+                )
 
 
 def check_sampler(sampler: Any, model: EnergyModel, shape: int | tuple[int, ...], n: int = 8) -> None:
@@ -532,8 +610,14 @@ def check_sampler(sampler: Any, model: EnergyModel, shape: int | tuple[int, ...]
     or d) and reproducible given the generator's seed."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     first = sampler.sample(model, n, torch.Generator().manual_seed(0))
-    assert first.shape == (n, *shape) and torch.isfinite(first).all(), f"samples must be finite {(n, *shape)}, got {tuple(first.shape)}"
-    torch.testing.assert_close(sampler.sample(model, n, torch.Generator().manual_seed(0)), first, msg="the same seed must give the same samples")
+    assert first.shape == (n, *shape) and torch.isfinite(first).all(), (
+        f"samples must be finite {(n, *shape)}, got {tuple(first.shape)}"
+    )
+    torch.testing.assert_close(
+        sampler.sample(model, n, torch.Generator().manual_seed(0)),
+        first,
+        msg="the same seed must give the same samples",
+    )
 
 
 def check_evaluator(evaluator: Any, parts: Parts) -> Any:
@@ -544,7 +628,9 @@ def check_evaluator(evaluator: Any, parts: Parts) -> Any:
     assert isinstance(result, EvalResult), f"an evaluator must return EvalResult, got {type(result).__name__}"
     assert result.scalars or result.images, "an evaluator must report something"
     for key, value in result.scalars.items():
-        assert isinstance(value, (int, float)) and math.isfinite(value), f"scalar {key} = {value!r} is not a finite float"
+        assert isinstance(value, (int, float)) and math.isfinite(value), (
+            f"scalar {key} = {value!r} is not a finite float"
+        )
     for key, image in result.images.items():
         assert image.dim() == 3 and image.min() >= 0 and image.max() <= 1, f"image {key} must be (C, H, W) in [0, 1]"
     return result
@@ -556,14 +642,18 @@ def check_logger(logger: Any, run_dir: Path) -> None:
     logger.log_scalars(1, {"train/loss": 0.5})
     logger.log_images(1, {"eval/x/image": torch.rand(3, 4, 4)})
     logger.close()
-    assert set(Path(run_dir).parent.iterdir()) <= before | {Path(run_dir)}, "a logger must write inside its run directory"
+    assert set(Path(run_dir).parent.iterdir()) <= before | {Path(run_dir)}, (
+        "a logger must write inside its run directory"
+    )
 
 
 def check_optimizer(optimizer: Any, param: Tensor) -> None:
     """Assert an optimizer factory's result is a torch optimizer over ``param`` that a step through ``apply_update`` moves."""
     from eblvm_core.optim import apply_update
 
-    assert isinstance(optimizer, torch.optim.Optimizer), f"an optimizer factory must return a torch optimizer, got {type(optimizer).__name__}"
+    assert isinstance(optimizer, torch.optim.Optimizer), (
+        f"an optimizer factory must return a torch optimizer, got {type(optimizer).__name__}"
+    )
     before = param.detach().clone()
     norm = apply_update(optimizer, (param**2).sum())
     assert math.isfinite(norm) and not torch.equal(before, param.detach()), "one step did not move the parameter"
@@ -620,7 +710,9 @@ def _read_recipe(recipe: str | Path | dict) -> dict[str, Any]:
         return tomllib.load(fh)
 
 
-def run_short(recipe: str | Path | dict, out: str | Path, steps: int = 5, loggers: bool = False, **overrides: Any) -> RunResult:
+def run_short(
+    recipe: str | Path | dict, out: str | Path, steps: int = 5, loggers: bool = False, **overrides: Any
+) -> RunResult:
     """Train ``steps`` steps of a recipe (TOML text, a path or a dict) with the real trainer in ``out``.
 
     ``overrides`` set recipe values: ``estimator__inner_steps=1`` or ``**{"optim.model.lr": 1e-2}``.

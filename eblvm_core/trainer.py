@@ -9,8 +9,9 @@ import math
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -41,18 +42,27 @@ class Trainer:
         self.optimizers: dict[str, torch.optim.Optimizer] = dict(self.estimator.optimizers)
         run = recipe.run
         self.batches = Batches(self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype)
-        self.ema = {role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
-                    for role, spec in recipe.optim.items() if spec.ema is not None}
+        self.ema = {
+            role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
+            for role, spec in recipe.optim.items()
+            if spec.ema is not None
+        }
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
-        names = {id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()}
-        self.param_names = {role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
-                            for role, opt in self.optimizers.items()}
+        names = {
+            id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
+        }
+        self.param_names = {
+            role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
+            for role, opt in self.optimizers.items()
+        }
 
     # ---- checkpoints -------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        scalers = {role: opt.grad_scaler.state_dict() for role, opt in self.optimizers.items() if hasattr(opt, "grad_scaler")}
+        scalers = {
+            role: opt.grad_scaler.state_dict() for role, opt in self.optimizers.items() if hasattr(opt, "grad_scaler")
+        }
         return {
             "format": CHECKPOINT_FORMAT,
             "step": self.step,
@@ -70,7 +80,9 @@ class Trainer:
         """Load a checkpoint: networks, estimator state and EMA always; with ``training`` also the
         optimizers, gradient scalers, data position, RNG streams and best value."""
         if state.get("format") != CHECKPOINT_FORMAT:
-            raise EblvmError(f"checkpoint format {state.get('format', 1)} is not {CHECKPOINT_FORMAT}: it was written by an older eblvm")
+            raise EblvmError(
+                f"checkpoint format {state.get('format', 1)} is not {CHECKPOINT_FORMAT}: it was written by an older eblvm"
+            )
         for name, net in self.parts.networks().items():
             net.load_state_dict(state["networks"][name])
         self.estimator.load_state_dict(state["estimator"])
@@ -153,8 +165,12 @@ class Trainer:
             return
         if run.select_metric not in scalars:
             reported = ", ".join(sorted(scalars)) or "nothing"
-            raise ConfigError("run", "select_metric", f"no evaluator reports '{run.select_metric}'; reported: {reported}",
-                              file=self.recipe.path)
+            raise ConfigError(
+                "run",
+                "select_metric",
+                f"no evaluator reports '{run.select_metric}'; reported: {reported}",
+                file=self.recipe.path,
+            )
         value = scalars[run.select_metric]
         improved = self.best is None or (value > self.best if run.select_mode == "max" else value < self.best)
         if math.isfinite(value) and improved:
@@ -173,7 +189,9 @@ class Trainer:
         """Stop when a parameter of any role is NaN or infinite."""
         for role, opt in self.optimizers.items():
             params = optimizer_params(opt)
-            finite = torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
+            finite = (
+                torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
+            )
             if not bool(finite.all()):
                 name = self.param_names[role][int((~finite).nonzero()[0])]
                 raise self._diverged(f"parameter {name} (role '{role}') is not finite")
@@ -196,7 +214,9 @@ class Trainer:
 
             bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
         precision = AUTOCAST.get(run.precision)
-        autocast = (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
+        autocast = (
+            (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
+        )
         sums: dict[str, Any] = defaultdict(float)
         count, tick = 0, time.perf_counter()
         loss_ok: Tensor | bool = True
@@ -236,7 +256,9 @@ class Trainer:
                     rate = count / max(time.perf_counter() - tick, 1e-9)
                     self.record(means)
                     if bar is None:
-                        self.echo(f"step {self.step}/{run.steps}  loss {means.get('train/loss', float('nan')):.5g}  ({rate:.1f} it/s)")
+                        self.echo(
+                            f"step {self.step}/{run.steps}  loss {means.get('train/loss', float('nan')):.5g}  ({rate:.1f} it/s)"
+                        )
                     sums.clear()
                     count, tick = 0, time.perf_counter()
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from eblvm_bism import BiSMImplicit, BiSMUnrolled, build_unrolled, modified_score, UnrolledConfig
-from eblvm_core.bilevel import conjugate_gradient, flat, neumann, unflat
-from eblvm_core.contracts import DataSplits, Parts, exact_score
-from eblvm_core.errors import ConfigError
+from eblvm_bism import BiSMImplicit, BiSMUnrolled, UnrolledConfig, build_unrolled, modified_score
 from eblvm_divergences import KL, Fisher
 from eblvm_grbm.model import GRBM, all_binary
 from eblvm_posteriors import BernoulliPosterior, relaxed_bernoulli
 from eblvm_score.objectives import DSM, SSM
-from tests import linear_gaussian
+
+from eblvm_core.bilevel import conjugate_gradient, flat, neumann, unflat
+from eblvm_core.contracts import DataSplits, Parts, exact_score
+from eblvm_core.errors import ConfigError
+from eblvm_core.testing import linear_gaussian_parts
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 NEW_RECIPES = ["grbm_bissm.toml", "grbm_bidsm.toml", "grbm_bism_implicit.toml"]
@@ -105,7 +105,7 @@ def test_modified_score_holds_h_fixed_in_x_and_keeps_the_graph():
 
 
 def lg_setup(objective_name: str, divergence, batch: int = 40):
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     v = parts.data.train[:batch]
     objective = FixedSSM(batch, v.shape[1]) if objective_name == "ssm" else DSM(0.3)
     torch.manual_seed(0)
@@ -141,8 +141,10 @@ def test_theorem_1_hypergradients_match_the_exact_marginal_gradient(objective_na
     assert metrics["lower_loss"] < 1e-20 and metrics["solver_residual"] < 1e-12
     step = 1.0 / largest_hessian_eigenvalue(est, x)
     torch.manual_seed(1)
-    errors = [rel_err(flat(BiSMUnrolled(parts, 1, n, "sgd", step).hypergradient(x, context)[0]), exact)
-              for n in (0, 10, 30, 60)]
+    errors = [
+        rel_err(flat(BiSMUnrolled(parts, 1, n, "sgd", step).hypergradient(x, context)[0]), exact)
+        for n in (0, 10, 30, 60)
+    ]
     assert errors[0] > 0.1  # the plain partial derivative at φ* is not the gradient
     assert errors[1] > errors[2] > errors[3] and errors[3] < 0.01  # fresh lower-level samples each step
     # a wrong q: φ away from φ*, the implicit hypergradient no longer matches
@@ -164,8 +166,14 @@ def test_implicit_and_unrolled_hypergradients_converge_to_the_same_vector_on_a_g
     model = small_grbm(2, 4)
     posterior = FixedNoiseBernoulli(2, 4, temperature=0.5).double()
     v = torch.randn(64, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    parts = Parts(dtype=torch.float64, data=DataSplits(train=v, test=v), model=model, posterior=posterior,
-                  objective=FixedSSM(64, 2), divergence=KL(n_samples=8))
+    parts = Parts(
+        dtype=torch.float64,
+        data=DataSplits(train=v, test=v),
+        model=model,
+        posterior=posterior,
+        objective=FixedSSM(64, 2),
+        divergence=KL(n_samples=8),
+    )
     imp = implicit(parts)
     phi = list(imp.phi.values())
     exact_grbm_posterior(model, posterior)
@@ -178,8 +186,10 @@ def test_implicit_and_unrolled_hypergradients_converge_to_the_same_vector_on_a_g
     assert grad.norm() < 1e-10 and torch.linalg.eigvalsh(hessian.detach()).min() > 0
     target = flat(imp.hypergradient(v, None)[0])
     step = 1.0 / largest_hessian_eigenvalue(imp, v)
-    errors = [rel_err(flat(BiSMUnrolled(parts, 1, n, "sgd", step).hypergradient(v, None)[0]), target)
-              for n in (0, 10, 40, 120)]
+    errors = [
+        rel_err(flat(BiSMUnrolled(parts, 1, n, "sgd", step).hypergradient(v, None)[0]), target)
+        for n in (0, 10, 40, 120)
+    ]
     assert errors[0] > 0.1 and errors[0] > errors[1] > errors[2] > errors[3] and errors[3] < 1e-8
     series = BiSMImplicit(parts, 1, functools.partial(neumann, iterations=200, tol=1e-13, step=step))
     assert rel_err(flat(series.hypergradient(v, None)[0]), target) < 1e-8
@@ -191,12 +201,17 @@ def test_implicit_and_unrolled_hypergradients_converge_to_the_same_vector_on_a_g
 def grbm_parts(objective) -> Parts:
     torch.manual_seed(0)
     data = torch.rand(200, 2)
-    return Parts(data=DataSplits(train=data, test=data), model=GRBM(2, 4), posterior=BernoulliPosterior(2, 4),
-                 objective=objective, divergence=KL())
+    return Parts(
+        data=DataSplits(train=data, test=data),
+        model=GRBM(2, 4),
+        posterior=BernoulliPosterior(2, 4),
+        objective=objective,
+        divergence=KL(),
+    )
 
 
 def gaussian_parts(objective) -> Parts:
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     with torch.no_grad():
         posterior.head.bias.add_(0.2)
     parts.objective, parts.divergence = objective, Fisher()
@@ -207,7 +222,9 @@ ESTIMATORS = {
     "unrolled-sgd": lambda parts: BiSMUnrolled(parts, 2, 3, "sgd", 0.1),
     "unrolled-adam": lambda parts: BiSMUnrolled(parts, 2, 3, "adam", 0.1),
     "unrolled-N0": lambda parts: BiSMUnrolled(parts, 2, 0, "sgd", 0.1),
-    "implicit-cg": lambda parts: BiSMImplicit(parts, 2, functools.partial(conjugate_gradient, iterations=5, damping=1e-3)),
+    "implicit-cg": lambda parts: BiSMImplicit(
+        parts, 2, functools.partial(conjugate_gradient, iterations=5, damping=1e-3)
+    ),
     "implicit-neumann": lambda parts: BiSMImplicit(parts, 2, functools.partial(neumann, iterations=5, step=0.05)),
 }
 

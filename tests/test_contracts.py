@@ -86,7 +86,9 @@ def small(kind: str, name: str) -> dict:
 
 def base_parts() -> Parts:
     """The built parts of BASE (GRBM, Bernoulli q, small checkerboard), CPU."""
-    recipe = validate(tomllib.loads(BASE) | {"estimator": {"kind": "cd"}, "optim": {"model": {"kind": "adam"}}}, "<BASE>")
+    recipe = validate(
+        tomllib.loads(BASE) | {"estimator": {"kind": "cd"}, "optim": {"model": {"kind": "adam"}}}, "<BASE>"
+    )
     return build(recipe, torch.device("cpu")).parts
 
 
@@ -165,11 +167,20 @@ def test_model_contract(name):
 
 @pytest.mark.parametrize("name", names("posteriors"))
 def test_posterior_contract(name):
-    candidates = {"grbm": base_parts, "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
-                  "linear-gaussian 1×8×8": image_gaussian_parts}
+    candidates = {
+        "grbm": base_parts,
+        "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
+        "linear-gaussian 1×8×8": image_gaussian_parts,
+    }
     torch.manual_seed(0)
-    on_first_accepted("posteriors", name, candidates, lambda q, parts: testing.check_posterior(
-        q.to(parts.dtype), parts.data.train[:6].to(parts.dtype), parts.model.latent))
+    on_first_accepted(
+        "posteriors",
+        name,
+        candidates,
+        lambda q, parts: testing.check_posterior(
+            q.to(parts.dtype), parts.data.train[:6].to(parts.dtype), parts.model.latent
+        ),
+    )
 
 
 @pytest.mark.parametrize("name", names("datasets"))
@@ -190,8 +201,11 @@ def test_estimator_contract(name):
 
 @pytest.mark.parametrize("name", names("evaluators"))
 def test_evaluator_contract(name):
-    candidates = {"grbm": base_parts, "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
-                  "grbm 1×2×2 images": image_grbm_parts}
+    candidates = {
+        "grbm": base_parts,
+        "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
+        "grbm 1×2×2 images": image_grbm_parts,
+    }
     on_first_accepted("evaluators", name, candidates, testing.check_evaluator)
 
 
@@ -301,9 +315,13 @@ def plugin_guide_sections() -> dict[str, str]:
 
 def test_every_hookspec_has_a_documentation_entry():
     sections = plugin_guide_sections()
-    assert sorted(sections) == HOOKS, "docs/plugins.md needs one `### `register_<kind>`` section per hookspec, and no others"
+    assert sorted(sections) == HOOKS, (
+        "docs/plugins.md needs one `### `register_<kind>`` section per hookspec, and no others"
+    )
     for hook, body in sections.items():
-        assert "receives" in body and "returns" in body and len(body) > 150, f"the section of {hook} must say what the factory receives and returns"
+        assert "receives" in body and "returns" in body and len(body) > 150, (
+            f"the section of {hook} must say what the factory receives and returns"
+        )
 
 
 # ---- the checks are not vacuous: broken components fail them ---------------------------------------
@@ -344,12 +362,20 @@ class ShiftedFreeEnergy(testing.LinearGaussianEBLVM):
         return super().free_energy(v) + 0.1 * v[:, 0]
 
 
-@pytest.mark.parametrize("broken, check, match", [
-    (NegatedKL(), lambda c: testing.check_divergence(c, testing.tiny_grbm_setup()), "not minimal"),
-    (DetachedKL(), lambda c: testing.check_divergence(c, testing.linear_gaussian_setup()), "no gradient in φ"),
-    (DoubledSM(), testing.check_objective, "closed form"),
-    (ShiftedFreeEnergy(3, 2), lambda m: testing.check_model(m, torch.randn(4, 3, dtype=torch.float64)), "free_energy"),
-], ids=["divergence-maximal-at-p", "divergence-detached", "objective-wrong-scale", "model-inconsistent-free-energy"])
+@pytest.mark.parametrize(
+    "broken, check, match",
+    [
+        (NegatedKL(), lambda c: testing.check_divergence(c, testing.tiny_grbm_setup()), "not minimal"),
+        (DetachedKL(), lambda c: testing.check_divergence(c, testing.linear_gaussian_setup()), "no gradient in φ"),
+        (DoubledSM(), testing.check_objective, "closed form"),
+        (
+            ShiftedFreeEnergy(3, 2),
+            lambda m: testing.check_model(m, torch.randn(4, 3, dtype=torch.float64)),
+            "free_energy",
+        ),
+    ],
+    ids=["divergence-maximal-at-p", "divergence-detached", "objective-wrong-scale", "model-inconsistent-free-energy"],
+)
 def test_checks_reject_broken_components(broken, check, match):
     with pytest.raises(AssertionError, match=match):
         check(broken)

@@ -36,8 +36,9 @@ def test_grbm_quantities_agree_between_cpu_and_cuda(coupling):
     for a, b in zip(on_cpu, on_gpu):
         torch.testing.assert_close(b.cpu(), a.detach(), rtol=1e-10, atol=1e-10)
     # with q the exact posterior the modified score is the marginal score whatever h is drawn
-    torch.testing.assert_close(modified_score(model, posterior)(v).detach().cpu(), relaxed_cpu.detach(),
-                               rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        modified_score(model, posterior)(v).detach().cpu(), relaxed_cpu.detach(), rtol=1e-9, atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("grbm_*.toml")))
@@ -51,6 +52,12 @@ def test_every_grbm_recipe_trains_and_evaluates_on_cuda(recipe, tmp_path):
 @pytest.mark.parametrize("recipe", ["freyface_dsm.toml", "freyface_bidsm.toml", "freyface_vagesdsm.toml"])
 def test_frey_face_recipes_train_on_cuda(recipe, tmp_path):
     write_frey(tmp_path, frey_images(1965))
-    overrides = ["run.steps=20", "run.log_every=10", f'data.root="{tmp_path}"', "eval.1.n_chains=200", "eval.1.n_temps=200"]
+    overrides = [
+        "run.steps=20",
+        "run.log_every=10",
+        f'data.root="{tmp_path}"',
+        "eval.1.n_chains=200",
+        "eval.1.n_temps=200",
+    ]
     _, results = run(RECIPES / recipe, overrides, device="cuda", out=tmp_path / "runs", echo=lambda _: None)
     assert all(math.isfinite(value) for value in results.values()), results

@@ -6,15 +6,15 @@ import tomllib
 
 import pytest
 import torch
+from eblvm_divergences import KL, Fisher, PosteriorFisherConfig, build_posterior_fisher
+from eblvm_grbm.model import GRBM
+from eblvm_posteriors import BernoulliPosterior
 
 from eblvm_core.build import build as build_parts
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import validate
-from eblvm_divergences import KL, Fisher, PosteriorFisherConfig, build_posterior_fisher
-from eblvm_grbm.model import GRBM
-from eblvm_posteriors import BernoulliPosterior
-from tests import linear_gaussian
+from eblvm_core.testing import linear_gaussian_parts
 
 
 def perturbed(posterior: torch.nn.Module, scale: float, seed: int) -> None:
@@ -35,7 +35,7 @@ def gaussian_kl(posterior, model, v) -> torch.Tensor:
 @pytest.mark.parametrize("divergence", [KL(), KL(n_samples=4), KL(n_samples=4, importance_weighted=True)])
 def test_kl_at_the_exact_posterior_is_the_free_energy_for_every_sample(divergence):
     """log q(h|v) + E(v,h) = F(v) for every h when q = p(h|v): KL = 0, no variance."""
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     v = parts.data.train[:30]
     values = divergence(model, posterior, v)
     assert values.shape == (30,)
@@ -44,7 +44,7 @@ def test_kl_at_the_exact_posterior_is_the_free_energy_for_every_sample(divergenc
 
 def test_kl_estimate_matches_the_closed_form_and_is_minimal_at_the_exact_posterior():
     torch.manual_seed(0)
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     v = parts.data.train[:40]
     free = model.free_energy(v).detach()
     kl = KL(n_samples=4000)
@@ -58,7 +58,7 @@ def test_kl_estimate_matches_the_closed_form_and_is_minimal_at_the_exact_posteri
 
 
 def test_importance_weighting_tightens_the_bound():
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     perturbed(posterior, 0.3, 0)
     v = parts.data.train[:40]
     torch.manual_seed(1)
@@ -71,7 +71,7 @@ def test_importance_weighting_tightens_the_bound():
 
 
 def test_fisher_is_zero_with_zero_gradient_at_the_exact_posterior_and_positive_elsewhere():
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     v = parts.data.train[:30]
     for fisher in [Fisher(), Fisher(n_samples=3)]:
         values = fisher(model, posterior, v)
@@ -86,7 +86,7 @@ def test_fisher_is_zero_with_zero_gradient_at_the_exact_posterior_and_positive_e
 
 @pytest.mark.parametrize("divergence", [KL(), KL(n_samples=3, importance_weighted=True), Fisher(n_samples=2)])
 def test_gradients_are_finite_in_phi_and_theta_on_the_linear_gaussian_model(divergence):
-    model, posterior, parts = linear_gaussian.build()
+    model, posterior, parts = linear_gaussian_parts()
     perturbed(posterior, 0.3, 0)
     value = divergence(model, posterior, parts.data.train[:20]).mean()
     params = list(posterior.parameters()) + list(model.parameters())
@@ -142,7 +142,7 @@ def test_fisher_with_a_bernoulli_latent_is_a_recipe_error():
 
 
 def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_form():
-    from tests.linear_gaussian import build
+    from eblvm_core.testing import linear_gaussian_parts as build
 
     model, posterior, parts = build(d=3, m=2)
     v = parts.data.test
@@ -161,13 +161,15 @@ def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_
 
 
 def test_posterior_fisher_evaluator_and_refusals():
-    from tests.linear_gaussian import build
+    from eblvm_core.testing import linear_gaussian_parts as build
 
     model, posterior, parts = build(d=3, m=2)
     scalars = build_posterior_fisher(PosteriorFisherConfig(), parts)(parts).scalars
     assert scalars["test_posterior_fisher"] == pytest.approx(0.0, abs=1e-20)
     with pytest.raises(ConfigError, match="needs a \\[posterior\\]"):
         build_posterior_fisher(PosteriorFisherConfig(), Parts(data=parts.data, model=model))
-    grbm = Parts(data=DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2)), model=GRBM(2, 2), posterior=posterior)
+    grbm = Parts(
+        data=DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2)), model=GRBM(2, 2), posterior=posterior
+    )
     with pytest.raises(ConfigError, match="continuous"):
         build_posterior_fisher(PosteriorFisherConfig(), grbm)

@@ -102,7 +102,9 @@ def test_eval_reruns_the_recipes_evaluators_on_the_last_checkpoint(cli, tiny_run
     out = scalars(result.output)
     assert out["exact-loglik/test_loglik"] == pytest.approx(final["eval/exact-loglik/test_loglik"], rel=1e-5)
     assert out["ais-loglik/test_loglik"] == pytest.approx(final["eval/ais-loglik/test_loglik"], rel=1e-5)  # seeded
-    assert abs(out["ais-loglik/test_loglik"] - out["exact-loglik/test_loglik"]) <= 4 * out["ais-loglik/test_loglik_stderr"]
+    assert (
+        abs(out["ais-loglik/test_loglik"] - out["exact-loglik/test_loglik"]) <= 4 * out["ais-loglik/test_loglik_stderr"]
+    )
     appended = records(tiny_run)[-1]
     assert appended["checkpoint"] == "last" and appended["step"] == 30
     assert set(appended) >= {"eval/exact-loglik/test_loglik", "eval/ais-loglik/log_z"}
@@ -157,9 +159,17 @@ def test_resume_restores_the_estimator_state(write_recipe, tmp_path, estimator):
     10 + 10 resumed steps equal 20 uninterrupted ones."""
     from eblvm_core.trainer import run
 
-    extra = '\n[posterior]\nkind = "bernoulli"\n\n[divergence]\nkind = "kl"\n\n[optim.posterior]\nkind = "adam"\n' if "vnce" in estimator else ""
+    extra = (
+        '\n[posterior]\nkind = "bernoulli"\n\n[divergence]\nkind = "kl"\n\n[optim.posterior]\nkind = "adam"\n'
+        if "vnce" in estimator
+        else ""
+    )
     text = TINY_CD.replace('kind = "cd"\nk = 1', estimator).replace("[optim.model]", extra + "\n[optim.model]")
-    recipe = write_recipe(text.replace('select_metric = "eval/exact-loglik/test_loglik"\n', "").replace("[[eval]]\nkind = \"ais-loglik\"\nn_chains = 200\nn_temps = 200\n", ""))
+    recipe = write_recipe(
+        text.replace('select_metric = "eval/exact-loglik/test_loglik"\n', "").replace(
+            '[[eval]]\nkind = "ais-loglik"\nn_chains = 200\nn_temps = 200\n', ""
+        )
+    )
     quiet = lambda _msg: None  # noqa: E731
     full, _ = run(recipe, ["run.steps=20"], out=tmp_path / "full", echo=quiet)
     part, _ = run(recipe, ["run.steps=10"], out=tmp_path / "part", echo=quiet)
@@ -184,7 +194,9 @@ def write_spec(folder: Path, body: str) -> Path:
 
 def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
     """2 methods × 2 seeds in 2 processes, 12 steps each (--steps): table, figure, curves, images."""
-    spec = write_spec(tmp_path, f"""
+    spec = write_spec(
+        tmp_path,
+        f"""
         [compare]
         name = "mini"
         metrics = ["eval/exact-loglik/test_loglik", "eval/ais-loglik/test_loglik"]
@@ -194,11 +206,11 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
 
         [[method]]
         name = "CD"
-        recipe = "{RECIPES / 'grbm_cd.toml'}"
+        recipe = "{RECIPES / "grbm_cd.toml"}"
 
         [[method]]
         name = "PCD"
-        recipe = "{RECIPES / 'grbm_pcd.toml'}"
+        recipe = "{RECIPES / "grbm_pcd.toml"}"
         overrides = ["estimator.n_chains=20"]
 
         [[eval]]
@@ -211,7 +223,8 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
         kind = "ais-loglik"
         n_chains = 50
         n_temps = 50
-        """)
+        """,
+    )
     out = tmp_path / "results"
     result = cli(["compare", spec, "--seeds", "2", "--jobs", "2", "--steps", "12", "--out", out, "--device", "cpu"])
     assert result.exit_code == 0, result.output
@@ -221,10 +234,14 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
     for r in runs:
         run_dir = Path(r["run_dir"])
         assert ckpt.load(run_dir / "checkpoints" / "last.pt")["step"] == 12
-        curve = [x["step"] for x in records(run_dir) if "eval/score-loss/test_score_loss" in x and "checkpoint" not in x]
+        curve = [
+            x["step"] for x in records(run_dir) if "eval/score-loss/test_score_loss" in x and "checkpoint" not in x
+        ]
         assert curve == [4, 8, 12]  # the spec's [[eval]] was added and --steps applied
-        assert abs(r["final"]["eval/ais-loglik/test_loglik"] - r["final"]["eval/exact-loglik/test_loglik"]) \
+        assert (
+            abs(r["final"]["eval/ais-loglik/test_loglik"] - r["final"]["eval/exact-loglik/test_loglik"])
             <= 4 * r["final"]["eval/ais-loglik/test_loglik_stderr"]
+        )
     for method in ("CD", "PCD"):
         values = [r["final"]["eval/exact-loglik/test_loglik"] for r in runs if r["method"] == method]
         mean, std = sum(values) / 2, abs(values[0] - values[1]) / math.sqrt(2)
@@ -252,8 +269,16 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
     path = tmp_path / "frey.toml"
     path.write_text(tomli_w.dumps(spec))
     write_frey(tmp_path / "frey", frey_images(40))
-    tiny = [f"data.root={tmp_path / 'frey'}", "data.n_train=20", "data.n_val=10", "data.n_test=10",
-            "model.n_hidden=8", "run.eval_every=2", "sampler.burn_in=5", "run.batch_size=10"]
+    tiny = [
+        f"data.root={tmp_path / 'frey'}",
+        "data.n_train=20",
+        "data.n_val=10",
+        "data.n_test=10",
+        "model.n_hidden=8",
+        "run.eval_every=2",
+        "sampler.burn_in=5",
+        "run.batch_size=10",
+    ]
     out = tmp_path / "results"
     result = cli(["compare", path, "--steps", "6", "--out", out, *[a for o in tiny for a in ("-o", o)]])
     assert result.exit_code == 0, result.output
@@ -261,36 +286,50 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
     assert [r["method"] for r in runs] == ["DSM", "BiDSM N=1"]
     for r in runs:
         run_dir = Path(r["run_dir"])
-        vals = [(x["step"], x["eval/score-loss/val_score_loss"]) for x in records(run_dir)
-                if "eval/score-loss/val_score_loss" in x and "checkpoint" not in x]
+        vals = [
+            (x["step"], x["eval/score-loss/val_score_loss"])
+            for x in records(run_dir)
+            if "eval/score-loss/val_score_loss" in x and "checkpoint" not in x
+        ]
         assert [s for s, _ in vals] == [2, 4, 6]  # only the spec's [[eval]] ran during training
         best_step = min(vals, key=lambda sv: sv[1])[0]
         assert ckpt.load(run_dir / "checkpoints" / "best.pt")["step"] == best_step
-        assert set(r["final"]) == {"eval/ais-loglik/test_loglik", "eval/ais-loglik/test_loglik_stderr",
-                                   "eval/ais-loglik/log_z", "eval/ais-loglik/log_z_stderr",
-                                   "eval/score-loss/test_score_loss", "eval/score-loss/test_score_loss_stderr"}
+        assert set(r["final"]) == {
+            "eval/ais-loglik/test_loglik",
+            "eval/ais-loglik/test_loglik_stderr",
+            "eval/ais-loglik/log_z",
+            "eval/ais-loglik/log_z_stderr",
+            "eval/score-loss/test_score_loss",
+            "eval/score-loss/test_score_loss_stderr",
+        }
         assert records(run_dir)[-1]["checkpoint"] == "best" and records(run_dir)[-1]["step"] == best_step
     assert Image.open(out / "images" / "DSM.png").size == (8 * 20 + 9 * 2, 8 * 28 + 9 * 2)  # 64 faces
     assert (out / "figure.png").is_file() and "| BiDSM N=1 |" in (out / "table.md").read_text()
 
 
 def test_compare_spec_errors_name_the_file(cli, tmp_path):
-    spec = write_spec(tmp_path, f"""
+    spec = write_spec(
+        tmp_path,
+        f"""
         [compare]
         metric = ["x"]
 
         [[method]]
         name = "CD"
-        recipe = "{RECIPES / 'grbm_cd.toml'}"
-        """)
+        recipe = "{RECIPES / "grbm_cd.toml"}"
+        """,
+    )
     result = cli(["compare", spec])
     assert result.exit_code == 2 and str(spec) in result.output and "did you mean 'metrics'" in result.output
-    spec = write_spec(tmp_path, f"""
+    spec = write_spec(
+        tmp_path,
+        f"""
         [[method]]
         name = "CD"
-        recipe = "{RECIPES / 'grbm_cd.toml'}"
+        recipe = "{RECIPES / "grbm_cd.toml"}"
         overrides = ["estimator.kk=2"]
-        """)
+        """,
+    )
     result = cli(["compare", spec])
     assert result.exit_code == 2 and "grbm_cd.toml" in result.output and "[estimator] kk" in result.output
 

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
+from eblvm_grbm.model import GRBM
+from eblvm_metrics.density import GAP, DensityPlotConfig, build_density_plot, colormap, histogram
 from torch import Tensor
 
 from eblvm_core.contracts import DataSplits, EnergyModel, EvalResult, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
-from eblvm_grbm.model import GRBM
-from eblvm_metrics.density import GAP, DensityPlotConfig, build_density_plot, colormap, histogram
 
 
 def grbm(d: int, m: int, sigma: float, seed: int = 0, weight_std: float = 0.6) -> GRBM:
@@ -107,7 +107,9 @@ def test_density_plot_image_and_grid_mass():
     model = grbm(d=2, m=3, sigma=0.06, weight_std=0.5)
     with torch.no_grad():
         model.b.fill_(0.5)  # modes b + σWh stay within ~0.1 of the centre: all mass inside the box
-    data = DataSplits(train=torch.rand(500, 2, dtype=torch.float64), test=torch.rand(300, 2, dtype=torch.float64), bounds=BOX)
+    data = DataSplits(
+        train=torch.rand(500, 2, dtype=torch.float64), test=torch.rand(300, 2, dtype=torch.float64), bounds=BOX
+    )
     parts = parts_for(model, data)
     result = build_density_plot(DensityPlotConfig(grid=60, bins=20), parts)(parts)
     image = result.images["density"]
@@ -124,8 +126,12 @@ def test_density_plot_grid_mass_is_the_mass_inside_the_box():
         model.W.zero_()
         model.b.copy_(torch.tensor([0.3, 0.9], dtype=torch.float64))
     normal = torch.distributions.Normal(model.b.detach(), model.sigma.detach())
-    expected = float((normal.cdf(torch.ones(2, dtype=torch.float64)) - normal.cdf(torch.zeros(2, dtype=torch.float64))).prod())
-    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    expected = float(
+        (normal.cdf(torch.ones(2, dtype=torch.float64)) - normal.cdf(torch.zeros(2, dtype=torch.float64))).prod()
+    )
+    data = DataSplits(
+        train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX
+    )
     parts = parts_for(model, data)
     result = build_density_plot(DensityPlotConfig(grid=200), parts)(parts)
     assert result.scalars["grid_mass"] == pytest.approx(expected, abs=1e-5)
@@ -137,7 +143,9 @@ def test_density_plot_draws_y_upwards():
     with torch.no_grad():
         model.W.zero_()
         model.b.copy_(torch.tensor([0.125, 0.875], dtype=torch.float64))  # centre of pixel (row 2, col 2)
-    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    data = DataSplits(
+        train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX
+    )
     parts = parts_for(model, data)
     image = build_density_plot(DensityPlotConfig(grid=20), parts)(parts).images["density"]
     brightness = image[:, :, :20].sum(0)
@@ -146,7 +154,9 @@ def test_density_plot_draws_y_upwards():
 
 
 def test_density_plot_omits_grid_mass_without_log_partition():
-    data = DataSplits(train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX)
+    data = DataSplits(
+        train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX
+    )
     parts = parts_for(FreeEnergyOnly(), data)
     result = build_density_plot(DensityPlotConfig(grid=16), parts)(parts)
     assert result.scalars == {} and result.images["density"].shape == (3, 16, 32 + GAP)

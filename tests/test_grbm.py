@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from eblvm_core.contracts import exact_score
 from eblvm_grbm.model import GRBM, all_binary
 
+from eblvm_core.contracts import exact_score
 
 COUPLINGS = pytest.mark.parametrize("coupling", ["scaled", "plain"])
 

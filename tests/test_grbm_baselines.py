@@ -7,21 +7,22 @@ import math
 
 import pytest
 import torch
-from torch.func import grad, vmap
-
-from eblvm_core import checkpoint as ckpt
-from eblvm_core.contracts import DataSplits, Parts
-from eblvm_core.errors import ConfigError
 from eblvm_grbm.ais import AISLoglikConfig, ais_log_partition, base_log_partition, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd, contrastive_loss
 from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
 from eblvm_grbm.fisher import ScoreLossConfig, build_score_loss, score_matching_loss
 from eblvm_grbm.gibbs import GibbsConfig, GibbsSampler, gibbs_chain
 from eblvm_grbm.model import GRBM, all_binary
+from torch.func import grad, vmap
+
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.contracts import DataSplits, Parts
+from eblvm_core.errors import ConfigError
 
 
-def random_grbm(d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0,
-                coupling: str = "scaled") -> GRBM:
+def random_grbm(
+    d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0, coupling: str = "scaled"
+) -> GRBM:
     """A float64 GRBM with every parameter away from its initial value."""
     torch.manual_seed(seed)
     model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std, coupling=coupling).double()
@@ -136,8 +137,11 @@ def test_ais_log_z_is_a_stochastic_lower_bound_and_z_is_unbiased():
 
 def test_ais_evaluator_matches_exact_loglik_and_reports_its_error():
     model = random_grbm(d=3, m=5, sigma=0.6, weight_std=0.7, seed=6)
-    data = DataSplits(train=torch.randn(40, 3, dtype=torch.float64), test=torch.randn(200, 3, dtype=torch.float64),
-                      val=torch.randn(30, 3, dtype=torch.float64))
+    data = DataSplits(
+        train=torch.randn(40, 3, dtype=torch.float64),
+        test=torch.randn(200, 3, dtype=torch.float64),
+        val=torch.randn(30, 3, dtype=torch.float64),
+    )
     parts = Parts(dtype=torch.float64, data=data, model=model)
     ais = build_ais_loglik(AISLoglikConfig(n_chains=300, n_temps=300, split="val"), parts)(parts).scalars
     exact = build_exact_loglik(ExactLoglikConfig(split="val"), parts)(parts).scalars
@@ -215,8 +219,12 @@ def test_cd1_gradient_vanishes_in_expectation_when_data_come_from_the_model():
     data = exact_samples(model, 60_000)
     samples = gibbs_chain(model, data, n_steps=1)
     estimate = surrogate_gradient(model, data, samples)
-    diffs = {k: a - b for (k, a), b in zip(per_sample_free_energy_grads(model, data).items(),
-                                          per_sample_free_energy_grads(model, samples).values())}
+    diffs = {
+        k: a - b
+        for (k, a), b in zip(
+            per_sample_free_energy_grads(model, data).items(), per_sample_free_energy_grads(model, samples).values()
+        )
+    }
     for name, value in estimate.items():
         stderr = diffs[name].std(0) / math.sqrt(len(data))
         assert (value.abs() <= 5 * stderr + 1e-12).all(), (name, value, stderr)
@@ -226,9 +234,15 @@ def test_cd1_gradient_vanishes_in_expectation_when_data_come_from_the_model():
 def test_cd_and_pcd_steps_raise_the_exact_likelihood(kind):
     model = random_grbm(d=2, m=3, sigma=1.0, weight_std=0.3, seed=11)
     torch.manual_seed(12)
-    data = DataSplits(train=0.3 * torch.randn(500, 2, dtype=torch.float64) + 2.0, test=torch.randn(5, 2, dtype=torch.float64))
-    parts = Parts(dtype=torch.float64, data=data, model=model,
-                  optimizer_factories={"model": lambda params: torch.optim.SGD(params, lr=0.02)})
+    data = DataSplits(
+        train=0.3 * torch.randn(500, 2, dtype=torch.float64) + 2.0, test=torch.randn(5, 2, dtype=torch.float64)
+    )
+    parts = Parts(
+        dtype=torch.float64,
+        data=data,
+        model=model,
+        optimizer_factories={"model": lambda params: torch.optim.SGD(params, lr=0.02)},
+    )
     estimator = build_cd(CDConfig(k=1), parts) if kind == "cd" else build_pcd(PCDConfig(k=1, n_chains=500), parts)
     before = float(model.log_likelihood(data.train).mean().detach())
     for _ in range(20):
@@ -254,7 +268,7 @@ def test_pcd_chains_persist_and_round_trip_through_a_checkpoint(tmp_path):
 
 
 def test_cd_refuses_models_without_gibbs():
-    from tests.linear_gaussian import build
+    from eblvm_core.testing import linear_gaussian_parts as build
 
     _, _, parts = build()
     with pytest.raises(ConfigError, match="cd needs a GRBM"):
@@ -276,15 +290,18 @@ def grbm_score_loss_closed_form(model: GRBM, v: torch.Tensor) -> torch.Tensor:
 def test_score_loss_exact_trace_equals_the_grbm_closed_form():
     model = random_grbm(d=3, m=4)
     v = torch.randn(20, 3, dtype=torch.float64)
-    torch.testing.assert_close(score_matching_loss(model, v, "exact"), grbm_score_loss_closed_form(model, v),
-                               rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        score_matching_loss(model, v, "exact"), grbm_score_loss_closed_form(model, v), rtol=0, atol=1e-10
+    )
 
 
 def test_hutchinson_trace_is_unbiased():
     model = random_grbm(d=6, m=4)
     v = torch.randn(3, 6, dtype=torch.float64)
     exact = score_matching_loss(model, v, "exact")
-    probes = torch.stack([score_matching_loss(model, v, "hutchinson", 1, torch.Generator().manual_seed(i)) for i in range(1500)])
+    probes = torch.stack(
+        [score_matching_loss(model, v, "hutchinson", 1, torch.Generator().manual_seed(i)) for i in range(1500)]
+    )
     stderr = probes.std(0) / math.sqrt(len(probes))
     assert ((probes.mean(0) - exact).abs() <= 5 * stderr).all()
 

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import scipy.io
 import torch
+from eblvm_images.freyface import FreyFaceConfig, freyface
+from eblvm_metrics.samples import SampleGridConfig, build_sample_grid
 
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError, DataError
 from eblvm_core.plugins import registry
-from eblvm_images.freyface import FreyFaceConfig, freyface
-from eblvm_metrics.samples import SampleGridConfig, build_sample_grid
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -48,7 +48,9 @@ def frey_root(tmp_path: Path) -> Path:
 def test_frames_are_images_scaled_and_split_in_file_order(frey_root):
     data = load(frey_root, n_train=20, n_val=6, n_test=4)
     expected = torch.from_numpy(frey_images(30).reshape(30, 1, 28, 20).astype(np.float32) / 255)
-    assert data.train.shape == (20, 1, 28, 20) and data.val.shape == (6, 1, 28, 20) and data.test.shape == (4, 1, 28, 20)
+    assert (
+        data.train.shape == (20, 1, 28, 20) and data.val.shape == (6, 1, 28, 20) and data.test.shape == (4, 1, 28, 20)
+    )
     assert data.image_shape == (1, 28, 20) and data.dim == 560
     assert torch.equal(torch.cat([data.train, data.val, data.test]), expected)  # sequential, as in the papers
     assert data.train.min() == 0.0 and data.train.max() == 1.0
@@ -151,9 +153,17 @@ def test_sample_grid_refuses_bad_settings():
 # ---- recipes -------------------------------------------------------------------------------
 
 TINY = [
-    "run.steps=3", "run.batch_size=10", "run.log_every=1", "model.n_hidden=8",
-    "data.n_train=20", "data.n_val=5", "data.n_test=5",
-    "eval.0.n=4", "eval.0.sampler_options.burn_in=5", "eval.1.n_chains=8", "eval.1.n_temps=5",
+    "run.steps=3",
+    "run.batch_size=10",
+    "run.log_every=1",
+    "model.n_hidden=8",
+    "data.n_train=20",
+    "data.n_val=5",
+    "data.n_test=5",
+    "eval.0.n=4",
+    "eval.0.sampler_options.burn_in=5",
+    "eval.1.n_chains=8",
+    "eval.1.n_temps=5",
 ]
 
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from eblvm_grbm.model import GRBM
+from eblvm_nce.estimators import NCEConfig, VNCEConfig, build_nce, build_vnce, make_noise, nce_loss
 from torch import Tensor, nn
 
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_grbm.model import GRBM
-from eblvm_nce.estimators import NCEConfig, VNCEConfig, build_nce, build_vnce, make_noise, nce_loss
 
 
 class GaussianModel(EnergyModel):
@@ -32,15 +32,26 @@ class GaussianModel(EnergyModel):
 
 def gaussian_parts(d: int = 2, n: int = 400, seed: int = 0, lr: float = 1e-2) -> Parts:
     g = torch.Generator().manual_seed(seed)
-    data = DataSplits(train=torch.randn(n, d, generator=g, dtype=torch.float64), test=torch.randn(10, d, dtype=torch.float64))
-    return Parts(dtype=torch.float64, data=data, model=GaussianModel(d),
-                 optimizer_factories={"model": lambda params: torch.optim.Adam(params, lr=lr)})
+    data = DataSplits(
+        train=torch.randn(n, d, generator=g, dtype=torch.float64), test=torch.randn(10, d, dtype=torch.float64)
+    )
+    return Parts(
+        dtype=torch.float64,
+        data=data,
+        model=GaussianModel(d),
+        optimizer_factories={"model": lambda params: torch.optim.Adam(params, lr=lr)},
+    )
 
 
 def loss_on(estimator, x: Tensor, y: Tensor, nu: float) -> Tensor:
     """The estimator's NCE loss on given data x and noise draws y."""
-    return nce_loss(estimator.data_term(x), estimator.noise.log_prob(x),
-                    estimator.log_unnormalised(y, True) - estimator.log_z, estimator.noise.log_prob(y), nu)
+    return nce_loss(
+        estimator.data_term(x),
+        estimator.noise.log_prob(x),
+        estimator.log_unnormalised(y, True) - estimator.log_z,
+        estimator.noise.log_prob(y),
+        nu,
+    )
 
 
 def test_nce_loss_is_the_logistic_loss_written_with_density_ratios():
@@ -101,8 +112,10 @@ def test_fitted_noise_has_the_data_moments_and_fixed_noise_its_settings():
     diag = make_noise(NCEConfig(noise_cov="diagonal", noise_scale=2.0), parts.data)
     torch.testing.assert_close(diag.dist.covariance_matrix, torch.diag(4 * train.var(0)))
     fixed = make_noise(NCEConfig(noise="fixed", noise_mean=1.0, noise_std=3.0), parts.data)
-    torch.testing.assert_close(fixed.log_prob(torch.ones(1, 2, dtype=torch.float64)),
-                               torch.tensor([-2 * math.log(3.0 * math.sqrt(2 * math.pi))], dtype=torch.float64))
+    torch.testing.assert_close(
+        fixed.log_prob(torch.ones(1, 2, dtype=torch.float64)),
+        torch.tensor([-2 * math.log(3.0 * math.sqrt(2 * math.pi))], dtype=torch.float64),
+    )
 
 
 def test_initial_log_normaliser_is_estimated_from_the_noise():
@@ -121,7 +134,7 @@ def test_nce_recovers_a_gaussian_and_its_normaliser():
         parts.data.train.mul_(0.5).add_(torch.tensor([1.0, -1.0], dtype=torch.float64))
     estimator = build_nce(NCEConfig(nu=2.0, init_log_z=0.0), parts)
     for i in range(400):
-        metrics = estimator.step(parts.data.train[(i * 200) % 4000:][:200])
+        metrics = estimator.step(parts.data.train[(i * 200) % 4000 :][:200])
     model = parts.model
     assert torch.allclose(model.mu.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64), atol=0.1)
     assert float(model.log_s.detach().exp()) == pytest.approx(0.5, abs=0.05)
@@ -202,8 +215,13 @@ def test_vnce_step_trains_the_posterior_and_the_model():
 def test_refusals_name_the_estimator_section():
     parts = grbm_parts()
     for missing in ("posterior", "divergence"):
-        broken = Parts(dtype=parts.dtype, data=parts.data, model=parts.model, posterior=parts.posterior,
-                       divergence=parts.divergence)
+        broken = Parts(
+            dtype=parts.dtype,
+            data=parts.data,
+            model=parts.model,
+            posterior=parts.posterior,
+            divergence=parts.divergence,
+        )
         setattr(broken, missing, None)
         with pytest.raises(ConfigError, match=f"needs a \\[{missing}\\]"):
             build_vnce(VNCEConfig(), broken)

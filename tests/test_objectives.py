@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from eblvm_grbm.model import GRBM
+from eblvm_score import DSM, SM, SSM, ExactScore
+from eblvm_score.estimators import build_exact_score
 from torch import Tensor, nn
 
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_grbm.model import GRBM
-from eblvm_score import DSM, SM, SSM, ExactScore
-from eblvm_score.estimators import build_exact_score
 from eblvm_core.registry import NoConfig
 
 D = 4

@@ -44,7 +44,11 @@ def test_broken_plugin_is_reported_and_the_rest_work(tmp_path):
 
 
 def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
-    fake_distribution(tmp_path, "halfkl", "eblvm_halfkl", """
+    fake_distribution(
+        tmp_path,
+        "halfkl",
+        "eblvm_halfkl",
+        """
         import attrs
         from eblvm_core.config import option, positive
         from eblvm_core.hookspecs import hookimpl
@@ -60,7 +64,8 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
         @hookimpl
         def register_divergences(register):
             register("half", half, HalfConfig)
-    """)
+    """,
+    )
     proc = eblvm(["plugins"], tmp_path)
     assert "halfkl  (eblvm_halfkl)" in proc.stdout
     assert "divergence half: A divergence for tests." in proc.stdout
@@ -76,13 +81,18 @@ def test_load_plugins_pins_the_set(tmp_path):
 
 
 def test_misspelt_hook_is_caught(tmp_path):
-    fake_distribution(tmp_path, "typo", "eblvm_typo", """
+    fake_distribution(
+        tmp_path,
+        "typo",
+        "eblvm_typo",
+        """
         from eblvm_core.hookspecs import hookimpl
 
         @hookimpl
         def register_model(register):
             pass
-    """)
+    """,
+    )
     proc = eblvm(["plugins"], tmp_path)
     assert proc.returncode == 0
     assert "plugin 'typo' failed" in proc.stderr and "register_model" in proc.stderr

@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import attrs
 import pytest
 import torch
-from torch.distributions import Bernoulli, Normal
-
-from eblvm_core.contracts import DataSplits, EnergyModel, Parts
-from eblvm_core.errors import ConfigError
 from eblvm_grbm.model import GRBM
 from eblvm_posteriors import (
     BernoulliConfig,
@@ -19,7 +14,11 @@ from eblvm_posteriors import (
     build_gaussian,
     build_gaussian_conv,
 )
-from tests.linear_gaussian import LinearGaussianEBLVM
+from torch.distributions import Bernoulli, Normal
+
+from eblvm_core.contracts import DataSplits, EnergyModel, Parts
+from eblvm_core.errors import ConfigError
+from eblvm_core.testing import LinearGaussianEBLVM
 
 
 def parts_for(model: EnergyModel, shape: tuple[int, ...] = (3,)) -> Parts:
@@ -43,7 +42,9 @@ def test_bernoulli_log_prob_matches_torch_distributions():
     torch.testing.assert_close(post.mean(v), torch.sigmoid(post.logits(v)))
     # relaxed values: the same Bernoulli formula, linear in h
     soft = torch.rand(6, 4, dtype=torch.float64)
-    torch.testing.assert_close(post.log_prob(soft, v), (soft * post.logits(v) - torch.nn.functional.softplus(post.logits(v))).sum(-1))
+    torch.testing.assert_close(
+        post.log_prob(soft, v), (soft * post.logits(v) - torch.nn.functional.softplus(post.logits(v))).sum(-1)
+    )
 
 
 @pytest.mark.parametrize("hidden", [[], [8, 8]])
@@ -186,8 +187,10 @@ def test_rsample_and_log_prob_agrees_with_rsample_then_log_prob(gaussian_parts):
             return self.inner.log_prob(h, v)
 
     v = torch.randn(6, 3, dtype=torch.float64)
-    for post in [BernoulliPosterior(3, 4, hidden=[5], temperature=0.3).double(),
-                 build_gaussian(GaussianConfig(hidden=[5]), gaussian_parts).double()]:
+    for post in [
+        BernoulliPosterior(3, 4, hidden=[5], temperature=0.3).double(),
+        build_gaussian(GaussianConfig(hidden=[5]), gaussian_parts).double(),
+    ]:
         for candidate in [post, Plain(post)]:
             torch.manual_seed(3)
             h, log_q = candidate.rsample_and_log_prob(v, 4)

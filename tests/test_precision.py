@@ -20,8 +20,14 @@ class ConvEnergy(EnergyModel):
 
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(1, 16, 3, padding=1), nn.SiLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1),
-                                 nn.SiLU(), nn.Flatten(), nn.Linear(32 * 4 * 4, 1))
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1),
+            nn.SiLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.SiLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 1),
+        )
         with torch.no_grad():
             self.net[-1].weight.mul_(300)  # scores as large as DSM's target ε/σ, so the loss depends on the model
 
@@ -37,7 +43,9 @@ def loss_and_gradient(model, objective, x, context, bf16: bool):
         loss = objective.loss(lambda y: exact_score(model, y), x, context).mean()
     params = list(model.parameters())
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.detach(), torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, grads)])
+    return loss.detach(), torch.cat(
+        [(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, grads)]
+    )
 
 
 def relative(a, b) -> float:
@@ -58,7 +66,10 @@ def test_bf16_dsm_loss_and_gradient_agree_with_fp32():
         score16 = exact_score(model, x)
     assert relative(score16, exact_score(model, x)) < TOLERANCE
     # the comparison can fail: a bf16 cast of the input alone moves the score by more than the tolerance allows
-    assert relative(exact_score(model, x.bfloat16().float() + 0.05 * torch.randn_like(x)), exact_score(model, x)) > TOLERANCE
+    assert (
+        relative(exact_score(model, x.bfloat16().float() + 0.05 * torch.randn_like(x)), exact_score(model, x))
+        > TOLERANCE
+    )
 
 
 RECIPE = """

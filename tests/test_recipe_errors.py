@@ -14,7 +14,7 @@ from tests.conftest import SMALL_RECIPE
 
 def one_line_error(result) -> str:
     assert result.exit_code == 2, result.output
-    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1, result.output
     assert lines[0].startswith("error: ")
     assert "Traceback" not in result.output
@@ -24,7 +24,12 @@ def one_line_error(result) -> str:
 CASES = [
     # (description, replace-this, with-this, fragments the message must contain)
     ("unknown section", "[objective]", "[objectiv]", ["[objectiv]", "unknown section", "did you mean 'objective'"]),
-    ("unknown kind", 'kind = "dsm"', 'kind = "dms"', ["[objective] kind", "unknown objective 'dms'", "did you mean 'dsm'"]),
+    (
+        "unknown kind",
+        'kind = "dsm"',
+        'kind = "dms"',
+        ["[objective] kind", "unknown objective 'dms'", "did you mean 'dsm'"],
+    ),
     ("unknown key", "n_hidden = 4", "n_hiden = 4", ["[model] n_hiden", "unknown key", "did you mean 'n_hidden'"]),
     ("wrong type", "steps = 30", 'steps = "thirty"', ["[run] steps", "must be int"]),
     ("float for int", "steps = 30", "steps = 30.5", ["[run] steps", "must be int"]),
@@ -33,7 +38,12 @@ CASES = [
     ("bad device", "seed = 7", 'seed = 7\ndevice = "gpu"', ["[run] device", "must be auto, cpu, cuda, cuda:N or mps"]),
     ("missing kind", 'kind = "grbm"', "", ["[model] kind", "missing"]),
     ("missing section", '[estimator]\nkind = "exact-score"', "", ["[estimator]", "required section is missing"]),
-    ("eval item", '[[eval]]\nkind = "exact-loglik"', '[[eval]]\nkind = "exact-loglik"\nbogus = 1', ["[eval.0] bogus", "unknown key"]),
+    (
+        "eval item",
+        '[[eval]]\nkind = "exact-loglik"',
+        '[[eval]]\nkind = "exact-loglik"\nbogus = 1',
+        ["[eval.0] bogus", "unknown key"],
+    ),
 ]
 
 
@@ -82,7 +92,9 @@ def test_override_errors(cli, write_recipe, override, fragments):
 def test_overrides_apply_typed_values(write_recipe):
     from eblvm_core.recipe import load_recipe
 
-    recipe = load_recipe(write_recipe(), ["model.n_hidden=6", "optim.model.lr=2e-3", 'run.name="x"', "eval.0.split=train"])
+    recipe = load_recipe(
+        write_recipe(), ["model.n_hidden=6", "optim.model.lr=2e-3", 'run.name="x"', "eval.0.split=train"]
+    )
     assert recipe.parts["model"].config.n_hidden == 6
     assert recipe.optim["model"].optimizer.config.lr == 2e-3
     assert recipe.run.name == "x"
@@ -98,7 +110,9 @@ def test_build_time_error_is_one_line(cli, write_recipe, tmp_path):
 
 def test_real_process_exit_code_and_no_traceback(write_recipe):
     path = write_recipe(SMALL_RECIPE.replace("batch_size = 50", "batch_size = 0"))
-    proc = subprocess.run([sys.executable, "-m", "eblvm_core.cli", "validate", str(path)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "eblvm_core.cli", "validate", str(path)], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0
     assert "[run] batch_size" in proc.stderr and "must be > 0" in proc.stderr
@@ -107,7 +121,9 @@ def test_real_process_exit_code_and_no_traceback(write_recipe):
 
 # ---- validate is a dry run: what run rejects before its first step, validate rejects -------------
 
-BISM = SMALL_RECIPE.replace('[estimator]\nkind = "exact-score"', """[posterior]
+BISM = SMALL_RECIPE.replace(
+    '[estimator]\nkind = "exact-score"',
+    """[posterior]
 kind = "bernoulli"
 
 [divergence]
@@ -119,21 +135,56 @@ inner_steps = 1
 unroll_steps = 1
 
 [optim.posterior]
-kind = "adam\"""")
+kind = "adam\"""",
+)
 
 DRY_CASES = [
-    ("misspelt role", BISM, "[optim.posterior]", "[optim.posteror]", ["[optim.posteror]", "unknown role (did you mean 'posterior'?)"]),
-    ("missing role", BISM, '[optim.posterior]\nkind = "adam"', "", ["[optim.posterior] kind", "missing", "trains role 'posterior'"]),
+    (
+        "misspelt role",
+        BISM,
+        "[optim.posterior]",
+        "[optim.posteror]",
+        ["[optim.posteror]", "unknown role (did you mean 'posterior'?)"],
+    ),
+    (
+        "missing role",
+        BISM,
+        '[optim.posterior]\nkind = "adam"',
+        "",
+        ["[optim.posterior] kind", "missing", "trains role 'posterior'"],
+    ),
     ("fisher on bernoulli", BISM, 'kind = "kl"', 'kind = "fisher"', ["[divergence] kind", "needs a continuous latent"]),
-    ("no such split", SMALL_RECIPE, 'kind = "exact-loglik"', 'kind = "exact-loglik"\nsplit = "val"', ["[eval.0] split", "no 'val' split"]),
-    ("unknown select_metric", SMALL_RECIPE, "seed = 7", 'seed = 7\nselect_metric = "eval/exact-loglik/val_loglik"',
-     ["[run] select_metric", "no evaluator reports 'eval/exact-loglik/val_loglik' (did you mean 'eval/exact-loglik/test_loglik'?)"]),
-    ("absent cuda device", SMALL_RECIPE, "seed = 7", 'seed = 7\ndevice = "cuda:7"', ["[run] device", "cuda:7 requested"]),
+    (
+        "no such split",
+        SMALL_RECIPE,
+        'kind = "exact-loglik"',
+        'kind = "exact-loglik"\nsplit = "val"',
+        ["[eval.0] split", "no 'val' split"],
+    ),
+    (
+        "unknown select_metric",
+        SMALL_RECIPE,
+        "seed = 7",
+        'seed = 7\nselect_metric = "eval/exact-loglik/val_loglik"',
+        [
+            "[run] select_metric",
+            "no evaluator reports 'eval/exact-loglik/val_loglik' (did you mean 'eval/exact-loglik/test_loglik'?)",
+        ],
+    ),
+    (
+        "absent cuda device",
+        SMALL_RECIPE,
+        "seed = 7",
+        'seed = 7\ndevice = "cuda:7"',
+        ["[run] device", "cuda:7 requested"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("name, base, old, new, fragments", DRY_CASES, ids=[c[0] for c in DRY_CASES])
-def test_validate_rejects_what_run_would_reject_before_its_first_step(cli, write_recipe, tmp_path, name, base, old, new, fragments):
+def test_validate_rejects_what_run_would_reject_before_its_first_step(
+    cli, write_recipe, tmp_path, name, base, old, new, fragments
+):
     if name == "absent cuda device" and torch.cuda.device_count() > 7:
         pytest.skip("this machine has a cuda:7")
     assert old in base

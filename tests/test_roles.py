@@ -121,7 +121,10 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
     for record in logged:
         for role in ("energy", "encoder", "generator"):
             # the rate logged after step s is the one step s used: the schedule at s - 1
-            assert record[f"lr/{role}"] == pytest.approx(expected_lr(role, record["step"] - 1), rel=1e-12), (role, record["step"])
+            assert record[f"lr/{role}"] == pytest.approx(expected_lr(role, record["step"] - 1), rel=1e-12), (
+                role,
+                record["step"],
+            )
             assert math.isfinite(record[f"train/grad_norm/{role}"]) and record[f"train/grad_norm/{role}"] > 0
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
     assert set(state["networks"]) == {"model", "posterior", "generator"}
@@ -132,13 +135,20 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
 def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, tmp_path):
     from eblvm_core.trainer import run
 
-    recipe = write_recipe(RECIPE.replace("steps = 40", "steps = 600").replace("checkpoint_every = 5", "checkpoint_every = 20"))
+    recipe = write_recipe(
+        RECIPE.replace("steps = 40", "steps = 600").replace("checkpoint_every = 5", "checkpoint_every = 20")
+    )
     full_dir, _ = run(recipe, out=tmp_path / "full", echo=lambda _line: None)
 
     out = tmp_path / "killed"
     env = {**os.environ, "EBLVM_PLUGIN_MODULES": "tests.three_roles"}
-    proc = subprocess.Popen([sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not list(out.glob("*/*/checkpoints/last.pt")):
         time.sleep(0.01)
@@ -146,7 +156,9 @@ def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, t
     _, err = proc.communicate()
     (killed_dir,) = list(out.glob("*/*"))
     killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
-    assert killed_at < 600, f"the run finished before it could be killed; the test proves nothing ({err.decode()[-300:]})"
+    assert killed_at < 600, (
+        f"the run finished before it could be killed; the test proves nothing ({err.decode()[-300:]})"
+    )
 
     run(None, resume=killed_dir, echo=lambda _line: None)
     a, b = ckpt.load(full_dir / "checkpoints" / "last.pt"), ckpt.load(killed_dir / "checkpoints" / "last.pt")
@@ -161,8 +173,14 @@ def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, t
         assert a["optimizers"][role]["param_groups"][0]["lr"] == b["optimizers"][role]["param_groups"][0]["lr"]
 
 
-@pytest.mark.parametrize("role, parameter", [("energy", "model.net.0.weight"), ("encoder", "posterior.trunk.1.weight"),
-                                             ("generator", "generator.net.0.weight")])
+@pytest.mark.parametrize(
+    "role, parameter",
+    [
+        ("energy", "model.net.0.weight"),
+        ("encoder", "posterior.trunk.1.weight"),
+        ("generator", "generator.net.0.weight"),
+    ],
+)
 def test_the_nan_guard_covers_every_role(write_recipe, tmp_path, role, parameter):
     with pytest.raises(TrainingDiverged) as info:
         train(write_recipe, tmp_path, f'estimator.poison_role="{role}"', "estimator.poison_step=10")
@@ -179,7 +197,6 @@ def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
     """With [optim.generator] ema = 0.8 the evaluators (in training and in `eblvm eval`) see the
     averaged generator, which the checkpoint stores beside the live one."""
     from eblvm_core.evaluate import load_run, run_evaluators
-
     from eblvm_core.trainer import run
 
     text = RECIPE.replace('kind = "sgd"\nlr = 1e-2', 'kind = "sgd"\nlr = 1e-2\nema = 0.8')
@@ -204,15 +221,30 @@ def test_reduced_precision_runs_and_checkpoints_its_scalers(write_recipe, tmp_pa
 # ---- validate: roles --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("old, new, fragments", [
-    ("optim.encoder", "optim.encodr", ["[optim.encodr]", "unknown role (did you mean 'encoder'?)"]),
-    ("[optim.encoder.schedule]", "[optim.encodr.schedule]", ["[optim.encodr] kind", "missing; choose one of: adam, sgd"]),
-    ('[optim.generator]\nkind = "sgd"\nlr = 1e-2\n\n[optim.generator.schedule]\nkind = "exponential"\ngamma = 0.9\nevery = "step"\n', "",
-     ["[optim.generator] kind", "missing", "role 'generator'"]),
-    ("[optim.energy]\n", "[optim.energy]\nema = 1.5\n", ["[optim.energy] ema", "must be in (0, 1)"]),
-    ('kind = "cosine"', 'kind = "cosinus"', ["[optim.energy.schedule] kind", "did you mean 'cosine'"]),
-    ("[[eval]]", '[optim.critic]\nkind = "adam"\n\n[[eval]]', ["[optim.critic]", "unknown role", "trains: energy, encoder, generator"]),
-], ids=["misspelt role", "misspelt role with schedule", "missing role", "bad ema", "unknown schedule", "extra role"])
+@pytest.mark.parametrize(
+    "old, new, fragments",
+    [
+        ("optim.encoder", "optim.encodr", ["[optim.encodr]", "unknown role (did you mean 'encoder'?)"]),
+        (
+            "[optim.encoder.schedule]",
+            "[optim.encodr.schedule]",
+            ["[optim.encodr] kind", "missing; choose one of: adam, sgd"],
+        ),
+        (
+            '[optim.generator]\nkind = "sgd"\nlr = 1e-2\n\n[optim.generator.schedule]\nkind = "exponential"\ngamma = 0.9\nevery = "step"\n',
+            "",
+            ["[optim.generator] kind", "missing", "role 'generator'"],
+        ),
+        ("[optim.energy]\n", "[optim.energy]\nema = 1.5\n", ["[optim.energy] ema", "must be in (0, 1)"]),
+        ('kind = "cosine"', 'kind = "cosinus"', ["[optim.energy.schedule] kind", "did you mean 'cosine'"]),
+        (
+            "[[eval]]",
+            '[optim.critic]\nkind = "adam"\n\n[[eval]]',
+            ["[optim.critic]", "unknown role", "trains: energy, encoder, generator"],
+        ),
+    ],
+    ids=["misspelt role", "misspelt role with schedule", "missing role", "bad ema", "unknown schedule", "extra role"],
+)
 def test_validate_checks_optimizer_roles(cli, write_recipe, old, new, fragments):
     assert old in RECIPE
     path = write_recipe(RECIPE.replace(old, new))

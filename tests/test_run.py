@@ -73,13 +73,18 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
     from eblvm_core.trainer import run
 
-    recipe = write_recipe(SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 50"))
+    recipe = write_recipe(
+        SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 50")
+    )
     quiet = lambda _msg: None  # noqa: E731
     full_dir, _ = run(recipe, out=tmp_path / "full", echo=quiet)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         found = list(out.glob("*/*/checkpoints/last.pt"))
@@ -98,7 +103,7 @@ def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
     for key in a:
         assert torch.equal(a[key], b[key]), key
     # metrics of the resumed part are appended, not rewritten
-    steps = [json.loads(l)["step"] for l in (killed_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [json.loads(line)["step"] for line in (killed_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 1500
 
 

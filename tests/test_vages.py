@@ -6,16 +6,15 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-from eblvm_core.contracts import DataSplits, EnergyModel, Parts, exact_score
-from eblvm_core.errors import ConfigError
 from eblvm_grbm.model import GRBM, all_binary
 from eblvm_posteriors import BernoulliPosterior
 from eblvm_score.ksd import KSD
 from eblvm_score.objectives import DSM, SSM
 from eblvm_vages.critic import CriticConfig, FisherCritic
 from eblvm_vages.estimators import ISConfig, VaGESConfig, build_is_score, build_vaes, build_vages, joint_scores
+
+from eblvm_core.contracts import DataSplits, EnergyModel, Parts, exact_score
+from eblvm_core.errors import ConfigError
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +103,9 @@ def test_vages_small_l_is_unbiased_on_average():
     model = grbm(seed=5)
     q = exact_posterior(model)
     dsm = DSM(sigma=0.3)
-    estimator = build_vages(VaGESConfig(n_samples=2, inner_steps=0), parts_for(model, q, dsm, divergence=lambda *a: None))
+    estimator = build_vages(
+        VaGESConfig(n_samples=2, inner_steps=0), parts_for(model, q, dsm, divergence=lambda *a: None)
+    )
     torch.manual_seed(6)
     x, eps = dsm.points(torch.randn(3, 2))
     exact = torch.autograd.grad(dsm.loss_at(x, exact_score(model, x), eps).mean(), estimator.theta)

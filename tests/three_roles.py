@@ -74,7 +74,9 @@ def build_generator(cfg: GeneratorConfig, parts: Parts) -> ToyGenerator:
 @attrs.frozen
 class ThreeRolesConfig:
     penalty: float = option(0.1, "weight of the E² penalty of the energy's loss", non_negative)
-    poison_role: Literal["energy", "encoder", "generator"] | None = option(None, "test hook: the role whose parameters turn NaN")
+    poison_role: Literal["energy", "encoder", "generator"] | None = option(
+        None, "test hook: the role whose parameters turn NaN"
+    )
     poison_step: int = option(0, "test hook: after the updates of this step (1-based)", non_negative)
 
 
@@ -88,8 +90,10 @@ class ThreeRoles(Estimator):
         self.cfg = cfg
         self.energy, self.encoder = parts.need("model", "estimator"), parts.need("posterior", "estimator")
         self.generator = parts.need("generator", "estimator")
-        self.optimizers = {role: parts.make_optimizer(role, list(net.parameters()))
-                           for role, net in zip(self.roles, (self.energy, self.encoder, self.generator))}
+        self.optimizers = {
+            role: parts.make_optimizer(role, list(net.parameters()))
+            for role, net in zip(self.roles, (self.energy, self.encoder, self.generator))
+        }
         self.steps = 0
 
     def reconstruction(self, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -131,7 +135,9 @@ def build_generator_norm(cfg: WidthConfig, parts: Parts):
 
     @reporting(["norm"])
     def evaluate(parts: Parts) -> EvalResult:
-        return EvalResult(scalars={"norm": float(torch.cat([p.detach().flatten() for p in parts.generator.parameters()]).norm())})
+        return EvalResult(
+            scalars={"norm": float(torch.cat([p.detach().flatten() for p in parts.generator.parameters()]).norm())}
+        )
 
     return evaluate
 

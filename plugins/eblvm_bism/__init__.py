@@ -9,12 +9,14 @@ frozen, then a θ update along an approximation of dJ_Bi(θ, φ*(θ))/dθ.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import attrs
 import torch
 from torch import Tensor
 
+from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
 from eblvm_core.bilevel import (
     DifferentiableAdam,
     Functional,
@@ -33,8 +35,6 @@ from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, Score
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 from eblvm_core.optim import apply_update
-
-from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
 
 
 def modified_score(model: EnergyModel, posterior: Posterior) -> ScoreField:
@@ -87,7 +87,9 @@ class BiSM(Estimator):
 
     def fit_posterior(self, x: Tensor) -> dict[str, float]:
         """K real updates of φ on G with the posterior's optimizer; θ gets no gradient."""
-        return fit_posterior(self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.inner_steps)
+        return fit_posterior(
+            self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.inner_steps
+        )
 
     def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
         raise NotImplementedError
@@ -179,8 +181,12 @@ class BiSMImplicit(BiSM):
 @attrs.frozen
 class UnrolledConfig:
     inner_steps: int = option(5, "K: real posterior updates on the lower level per batch (model frozen)", positive)
-    unroll_steps: int = option(5, "N: differentiable lower-level updates from φ_K; 0 = partial derivative at φ_K", non_negative)
-    unroll: Literal["sgd", "adam"] = option("sgd", "unrolled update: 'sgd' (Eq. 13, step inner_lr) or 'adam' (copy of the posterior's Adam)")
+    unroll_steps: int = option(
+        5, "N: differentiable lower-level updates from φ_K; 0 = partial derivative at φ_K", non_negative
+    )
+    unroll: Literal["sgd", "adam"] = option(
+        "sgd", "unrolled update: 'sgd' (Eq. 13, step inner_lr) or 'adam' (copy of the posterior's Adam)"
+    )
     inner_lr: float = option(0.1, "step α of the 'sgd' unrolled update; it contracts for α < 2/λ_max(∂²_φφG)", positive)
 
 
@@ -188,7 +194,9 @@ def build_unrolled(cfg: UnrolledConfig, parts: Parts) -> BiSMUnrolled:
     """BiSM with K real lower-level steps and N unrolled differentiable ones (Algorithm 1)."""
     estimator = BiSMUnrolled(parts, cfg.inner_steps, cfg.unroll_steps, cfg.unroll, cfg.inner_lr)
     if cfg.unroll == "adam" and not isinstance(estimator.optimizers["posterior"], torch.optim.Adam):
-        raise ConfigError("estimator", "unroll", "'adam' copies the posterior's optimizer: set [optim.posterior] kind = \"adam\"")
+        raise ConfigError(
+            "estimator", "unroll", "'adam' copies the posterior's optimizer: set [optim.posterior] kind = \"adam\""
+        )
     return estimator
 
 
@@ -197,7 +205,9 @@ class ImplicitConfig:
     inner_steps: int = option(5, "K: real posterior updates on the lower level per batch (model frozen)", positive)
     solver: Literal["cg", "neumann"] = option("cg", "linear solver for (∂²_φφG + damping·I) w = ∂_φJ")
     solver_steps: int = option(10, "maximum solver iterations (Hessian-vector products)", positive)
-    tolerance: float = option(1e-4, "stop when the relative residual (CG) or Neumann term falls below this", non_negative)
+    tolerance: float = option(
+        1e-4, "stop when the relative residual (CG) or Neumann term falls below this", non_negative
+    )
     damping: float = option(1e-3, "added to the Hessian's diagonal", non_negative)
     neumann_step: float = option(0.1, "step of the Neumann series; needs step·λ_max(H) < 2", positive)
 
@@ -205,7 +215,9 @@ class ImplicitConfig:
 def build_implicit(cfg: ImplicitConfig, parts: Parts) -> BiSMImplicit:
     """BiSM with the implicit-function-theorem hypergradient (CG or Neumann on Hessian-vector products)."""
     if cfg.solver == "cg":
-        solve = functools.partial(conjugate_gradient, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping)
+        solve = functools.partial(
+            conjugate_gradient, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping
+        )
     else:
         solve = functools.partial(
             neumann, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping, step=cfg.neumann_step

@@ -28,7 +28,9 @@ class GradientBiasConfig:
     unroll: Literal["sgd", "adam"] = option("sgd", "unrolled update, as in bism-unrolled")
     inner_lr: float = option(0.1, "step α of the 'sgd' unrolled update", positive)
     batch_size: int = option(100, "points of the training split used", positive)
-    n_repeats: int = option(20, "hypergradients averaged over this many draws of h (Theorem 2 bounds the bias of their mean)", positive)
+    n_repeats: int = option(
+        20, "hypergradients averaged over this many draws of h (Theorem 2 bounds the bias of their mean)", positive
+    )
     seed: int = option(0, "seed of the batch, the noise and the posterior samples")
 
 
@@ -45,9 +47,13 @@ class GradientBias:
         for name in ("posterior", "objective", "divergence"):
             parts.need(name, "eval")
         if not model.has_free_energy:
-            raise ConfigError("eval", "kind", "gradient-bias needs the exact marginal score: a model with a free energy")
+            raise ConfigError(
+                "eval", "kind", "gradient-bias needs the exact marginal score: a model with a free energy"
+            )
         if not parts.objective.value_only:
-            raise ConfigError("eval", "kind", "gradient-bias needs a value-only objective (dsm) so both gradients share the noise")
+            raise ConfigError(
+                "eval", "kind", "gradient-bias needs a value-only objective (dsm) so both gradients share the noise"
+            )
 
     def __call__(self, parts: Parts) -> EvalResult:
         from eblvm_bism import BiSMUnrolled  # same plugin

@@ -4,14 +4,15 @@ the ``posterior-fisher`` evaluator that measures the Fisher one on a data split.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import reporting, Divergence, EnergyModel, EvalResult, Parts, Posterior
+from eblvm_core.contracts import Divergence, EnergyModel, EvalResult, Parts, Posterior, reporting
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 
@@ -80,7 +81,11 @@ def build_fisher(cfg: FisherConfig, parts: Parts) -> Fisher:
     latent = parts.need("model", "divergence").latent
     if latent is None or latent.kind != "gaussian":
         kind = "no" if latent is None else f"a {latent.kind}"
-        raise ConfigError("divergence", "kind", f"'fisher' differentiates in h and needs a continuous latent; the model has {kind} latent (use 'kl')")
+        raise ConfigError(
+            "divergence",
+            "kind",
+            f"'fisher' differentiates in h and needs a continuous latent; the model has {kind} latent (use 'kl')",
+        )
     return Fisher(cfg.n_samples)
 
 
@@ -103,7 +108,11 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
         raise ConfigError("", "kind", "posterior-fisher measures q(h|v) against p(h|v) and needs a [posterior] section")
     if model.latent is None or model.latent.kind != "gaussian":
         kind = "none" if model.latent is None else model.latent.kind
-        raise ConfigError("", "kind", f"posterior-fisher differentiates in h and needs continuous (gaussian) latents; the model's are {kind}")
+        raise ConfigError(
+            "",
+            "kind",
+            f"posterior-fisher differentiates in h and needs continuous (gaussian) latents; the model's are {kind}",
+        )
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     fisher = Fisher(cfg.n_samples)
@@ -115,7 +124,9 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
         devices = [v.device] if v.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             torch.manual_seed(cfg.seed)
-            values = torch.cat([fisher(parts.model, parts.posterior, chunk).detach() for chunk in v.split(cfg.batch_size)])
+            values = torch.cat(
+                [fisher(parts.model, parts.posterior, chunk).detach() for chunk in v.split(cfg.batch_size)]
+            )
         return EvalResult.mean_over_points(f"{cfg.split}_posterior_fisher", values)
 
     return evaluate

@@ -1,7 +1,6 @@
 """GRBM plugin: the Gaussian RBM model, its samplers, likelihood evaluators and baselines."""
 
 from eblvm_core.hookspecs import hookimpl
-
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
 from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik

@@ -14,7 +14,8 @@ stochastic lower bound (Jensen): E[log Ẑ] ≤ log Z.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
@@ -22,9 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import reporting, EvalResult, Parts
+from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
-
 from eblvm_grbm.gibbs import require_grbm, sample_visible
 from eblvm_grbm.model import GRBM
 
@@ -73,7 +73,9 @@ def ais_log_partition(model: GRBM, n_chains: int, n_temps: int, generator: torch
 @attrs.frozen
 class AISLoglikConfig:
     n_chains: int = option(2000, "AIS chains (the papers used 2,000)", positive)
-    n_temps: int = option(2000, "intermediate inverse temperatures β, linear in [0, 1] (the papers used 2,000)", positive)
+    n_temps: int = option(
+        2000, "intermediate inverse temperatures β, linear in [0, 1] (the papers used 2,000)", positive
+    )
     split: Literal["test", "train", "val"] = option("test", "data split to average log p(v) over")
     seed: int = option(0, "seed of the AIS chains, so that repeated evaluations agree")
     batch_size: int = option(10000, "points per free-energy evaluation", positive)
@@ -95,13 +97,17 @@ def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], Ev
         generator = torch.Generator(device=model.W.device).manual_seed(cfg.seed)
         ais = ais_log_partition(model, cfg.n_chains, cfg.n_temps, generator)
         with torch.no_grad():
-            neg_free = sum(float(-model.free_energy(chunk.reshape(len(chunk), -1)).sum()) for chunk in v.split(cfg.batch_size))
+            neg_free = sum(
+                float(-model.free_energy(chunk.reshape(len(chunk), -1)).sum()) for chunk in v.split(cfg.batch_size)
+            )
         mean_ll = neg_free / len(v) - ais.log_z
-        return EvalResult(scalars={
-            f"{cfg.split}_loglik": mean_ll,
-            f"{cfg.split}_loglik_stderr": ais.log_z_stderr,
-            "log_z": ais.log_z,
-            "log_z_stderr": ais.log_z_stderr,
-        })
+        return EvalResult(
+            scalars={
+                f"{cfg.split}_loglik": mean_ll,
+                f"{cfg.split}_loglik_stderr": ais.log_z_stderr,
+                "log_z": ais.log_z,
+                "log_z_stderr": ais.log_z_stderr,
+            }
+        )
 
     return evaluate

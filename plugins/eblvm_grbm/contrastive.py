@@ -18,7 +18,6 @@ from torch import Tensor
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import Estimator, Parts
 from eblvm_core.optim import apply_update
-
 from eblvm_grbm.gibbs import gibbs_chain, initial_states, require_grbm
 from eblvm_grbm.model import GRBM
 

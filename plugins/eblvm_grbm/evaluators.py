@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import reporting, EvalResult, Parts
+from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
 
 
@@ -25,12 +26,14 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
     data = parts.need("data", "")
     if not (callable(getattr(model, "log_partition", None)) and model.has_free_energy and model.latent is not None):
         raise ConfigError(
-            "", "kind",
+            "",
+            "kind",
             f"exact-loglik needs a GRBM-like model with free_energy and log_partition; {type(model).__name__} has not both",
         )
     if model.latent.dim > cfg.max_hidden:
         raise ConfigError(
-            "", "max_hidden",
+            "",
+            "max_hidden",
             f"exact-loglik enumerates 2^m hidden states and the model has m={model.latent.dim} > max_hidden={cfg.max_hidden}; "
             "use an AIS estimate, or raise max_hidden if 2^m states fit in memory",
         )
@@ -43,8 +46,10 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
         model, v = parts.model, parts.data.tensor(cfg.split)
         with torch.no_grad():
             log_z = model.log_partition(cfg.max_hidden)
-            total = sum(float((-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).sum())
-                        for chunk in v.split(cfg.batch_size))
+            total = sum(
+                float((-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).sum())
+                for chunk in v.split(cfg.batch_size)
+            )
         return EvalResult(scalars={key: total / len(v)})
 
     return evaluate

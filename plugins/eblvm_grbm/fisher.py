@@ -3,19 +3,25 @@ it needs a model with a free energy."""
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import reporting, EnergyModel, EvalResult, Parts, exact_score
+from eblvm_core.contracts import EnergyModel, EvalResult, Parts, exact_score, reporting
 from eblvm_core.errors import ConfigError
 
 
-def score_matching_loss(model: EnergyModel, v: Tensor, trace: Literal["exact", "hutchinson"], n_probes: int = 1,
-                        generator: torch.Generator | None = None) -> Tensor:
+def score_matching_loss(
+    model: EnergyModel,
+    v: Tensor,
+    trace: Literal["exact", "hutchinson"],
+    n_probes: int = 1,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """Per-point SM loss ½‖s(v)‖² + tr ∇_v s(v) with s = −∇_v F: v (B, *shape) -> (B,).
 
     Its mean over data equals the Fisher divergence D_F(p_data ‖ p_θ) minus a constant of the
@@ -43,7 +49,9 @@ def score_matching_loss(model: EnergyModel, v: Tensor, trace: Literal["exact", "
 @attrs.frozen
 class ScoreLossConfig:
     split: Literal["test", "train", "val"] = option("test", "data split to average the loss over")
-    trace: Literal["auto", "exact", "hutchinson"] = option("auto", "tr ∇s: exact (d backward passes), Hutchinson, or exact when d <= exact_max_dim")
+    trace: Literal["auto", "exact", "hutchinson"] = option(
+        "auto", "tr ∇s: exact (d backward passes), Hutchinson, or exact when d <= exact_max_dim"
+    )
     exact_max_dim: int = option(64, "largest dimension for which 'auto' computes the exact trace", positive)
     n_probes: int = option(1, "Rademacher probes per point for the Hutchinson trace", positive)
     batch_size: int = option(1000, "points per backward pass", positive)
@@ -55,7 +63,11 @@ def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], Ev
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not model.has_free_energy:
-        raise ConfigError("", "kind", f"score-loss needs the exact marginal score, i.e. a free energy F(v); {type(model).__name__} has none")
+        raise ConfigError(
+            "",
+            "kind",
+            f"score-loss needs the exact marginal score, i.e. a free energy F(v); {type(model).__name__} has none",
+        )
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     trace = cfg.trace if cfg.trace != "auto" else ("exact" if data.dim <= cfg.exact_max_dim else "hutchinson")
@@ -65,8 +77,12 @@ def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], Ev
         """{split}_score_loss (mean over points) and {split}_score_loss_stderr (over points and probes)."""
         v = parts.data.tensor(cfg.split)
         generator = torch.Generator(device=v.device).manual_seed(cfg.seed)
-        losses = torch.cat([score_matching_loss(parts.model, chunk, trace, cfg.n_probes, generator)
-                            for chunk in v.split(cfg.batch_size)])
+        losses = torch.cat(
+            [
+                score_matching_loss(parts.model, chunk, trace, cfg.n_probes, generator)
+                for chunk in v.split(cfg.batch_size)
+            ]
+        )
         return EvalResult.mean_over_points(f"{cfg.split}_score_loss", losses)
 
     return evaluate

@@ -18,7 +18,6 @@ from torch import Tensor
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts, Sampler
 from eblvm_core.errors import ConfigError
-
 from eblvm_grbm.model import GRBM
 
 
@@ -51,12 +50,15 @@ def gibbs_chain(model: GRBM, v: Tensor, n_steps: int, generator: torch.Generator
 def require_grbm(model: EnergyModel | None, section: str, what: str) -> GRBM:
     """The model, if it is a GRBM; else a ConfigError naming ``section``."""
     if not isinstance(model, GRBM):
-        raise ConfigError(section, "kind", f"{what} needs a GRBM model (block Gibbs sampling), got {type(model).__name__}")
+        raise ConfigError(
+            section, "kind", f"{what} needs a GRBM model (block Gibbs sampling), got {type(model).__name__}"
+        )
     return model
 
 
-def initial_states(init: str, n: int, data: DataSplits | None, like: Tensor,
-                   generator: torch.Generator | None = None) -> Tensor:
+def initial_states(
+    init: str, n: int, data: DataSplits | None, like: Tensor, generator: torch.Generator | None = None
+) -> Tensor:
     """n starting points (n, d): random training points (``data``) or Gaussian noise with the
     training data's per-dimension mean and std (``noise``; N(0, I) when there is no data)."""
     d = like.shape[0]
@@ -75,8 +77,12 @@ class GibbsConfig:
     burn_in: int = option(1000, "sweeps v→h→v before the first kept state (the papers ran 1,000)", non_negative)
     n_steps: int = option(1, "sweeps between successive kept states of one chain (thinning)", positive)
     n_chains: int = option(0, "parallel chains; 0 runs one chain per requested sample", non_negative)
-    init: Literal["noise", "data"] = option("noise", "start from Gaussian noise matched to the data, or from training points")
-    final_mean: bool = option(False, "return the mean of p(v|h) at the last half-sweep instead of a draw (denoised images)")
+    init: Literal["noise", "data"] = option(
+        "noise", "start from Gaussian noise matched to the data, or from training points"
+    )
+    final_mean: bool = option(
+        False, "return the mean of p(v|h) at the last half-sweep instead of a draw (denoised images)"
+    )
 
 
 class GibbsSampler(Sampler):

@@ -35,8 +35,15 @@ class GRBM(EnergyModel):
     shaped as images (B, C, H, W); the model sees it flattened to (B, d).
     """
 
-    def __init__(self, n_visible: int, n_hidden: int, init_sigma: float = 1.0, init_weight_std: float = 0.1,
-                 learn_sigma: bool = True, coupling: str = "scaled"):
+    def __init__(
+        self,
+        n_visible: int,
+        n_hidden: int,
+        init_sigma: float = 1.0,
+        init_weight_std: float = 0.1,
+        learn_sigma: bool = True,
+        coupling: str = "scaled",
+    ):
         super().__init__()
         if coupling not in ("scaled", "plain"):
             raise ValueError(f"coupling must be 'scaled' or 'plain', got {coupling!r}")
@@ -95,7 +102,9 @@ class GRBM(EnergyModel):
 
 def all_binary(m: int, like: Tensor) -> Tensor:
     """All 2^m binary vectors (2^m, m), dtype and device of ``like``."""
-    return torch.tensor(list(itertools.product([0.0, 1.0], repeat=m)), dtype=like.dtype, device=like.device).reshape(-1, m)
+    return torch.tensor(list(itertools.product([0.0, 1.0], repeat=m)), dtype=like.dtype, device=like.device).reshape(
+        -1, m
+    )
 
 
 def build_grbm(cfg: GRBMConfig, parts: Parts) -> GRBM:

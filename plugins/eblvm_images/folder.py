@@ -29,7 +29,9 @@ class ImageFolderConfig(ImageOptions):
     root: str = option(help="folder with train/ and test/ (and optionally val/) subfolders of images", kw_only=True)
     channels: Literal[1, 3] = option(3, "1 (grey) or 3 (RGB) channels")
     crop: int | None = option(None, "centre crop to this square side before resizing (CelebA: 140)", positive)
-    size: int | None = option(None, "resize to size × size (None: the images' own size, which must then agree)", positive)
+    size: int | None = option(
+        None, "resize to size × size (None: the images' own size, which must then agree)", positive
+    )
 
 
 class ImageFiles(Dataset):
@@ -74,14 +76,27 @@ def image_folder(cfg: ImageFolderConfig, parts: Parts) -> DataSplits:
             if parts.dry_run:
                 parts.warn(f"[data] root: {message}; checked with stand-in images (run needs them)")
                 side = cfg.size or cfg.crop or 32
-                return DataSplits.stand_in((cfg.channels, side, side), (-1.0, 1.0) if cfg.scale == "symmetric" else (0.0, 1.0))
+                return DataSplits.stand_in(
+                    (cfg.channels, side, side), (-1.0, 1.0) if cfg.scale == "symmetric" else (0.0, 1.0)
+                )
             raise ConfigError("", "root", message)
     shape = tuple(splits["train"][0].shape)
-    for split, files in splits.items():
+    for files in splits.values():
         if tuple(files[0].shape) != shape:
-            raise ConfigError("", "size", f"{files.paths[0]} is {tuple(files[0].shape)}, {splits['train'].paths[0]} is {shape}: set size")
+            raise ConfigError(
+                "",
+                "size",
+                f"{files.paths[0]} is {tuple(files[0].shape)}, {splits['train'].paths[0]} is {shape}: set size",
+            )
     prepare, augment = image_pipeline(cfg)
     low, high = (-1.0, 1.0) if cfg.scale == "symmetric" else (0.0, 1.0)
-    return DataSplits(train=splits["train"], test=splits["test"], val=splits.get("val"), event_shape=shape,
-                      bounds=((low, high),) * (shape[0] * shape[1] * shape[2]), prepare=prepare, augment=augment,
-                      workers=cfg.workers)
+    return DataSplits(
+        train=splits["train"],
+        test=splits["test"],
+        val=splits.get("val"),
+        event_shape=shape,
+        bounds=((low, high),) * (shape[0] * shape[1] * shape[2]),
+        prepare=prepare,
+        augment=augment,
+        workers=cfg.workers,
+    )

@@ -32,7 +32,10 @@ class FreyFaceConfig:
     n_train: int = option(1400, "training images (the papers: 1400)", positive)
     n_val: int = option(300, "validation images, after the training ones (the papers: 300); 0 for none", non_negative)
     n_test: int = option(265, "test images, after the validation ones (the papers: 265)", positive)
-    split_seed: int | None = option(None, "None keeps file order (the papers' sequential split); an integer shuffles the frames with that seed first")
+    split_seed: int | None = option(
+        None,
+        "None keeps file order (the papers' sequential split); an integer shuffles the frames with that seed first",
+    )
 
 
 def load_frey(path: Path) -> np.ndarray:
@@ -49,7 +52,9 @@ def load_frey(path: Path) -> np.ndarray:
         raise DataError(f"{path}: no variable 'ff' (found: {found}); expected Roweis' {FILE}: {fix}")
     ff = content["ff"]
     if ff.ndim != 2 or ff.shape[0] != HEIGHT * WIDTH or ff.dtype != np.uint8:
-        raise DataError(f"{path}: 'ff' must be uint8 ({HEIGHT * WIDTH}, N), got {ff.dtype} {ff.shape}; expected Roweis' {FILE}: {fix}")
+        raise DataError(
+            f"{path}: 'ff' must be uint8 ({HEIGHT * WIDTH}, N), got {ff.dtype} {ff.shape}; expected Roweis' {FILE}: {fix}"
+        )
     return ff.T.reshape(-1, HEIGHT, WIDTH)
 
 
@@ -62,7 +67,9 @@ def freyface(cfg: FreyFaceConfig, parts: Parts) -> DataSplits:
     frames = torch.from_numpy(load_frey(path).astype(np.float32) / 255.0).reshape(-1, 1, HEIGHT, WIDTH)
     total = cfg.n_train + cfg.n_val + cfg.n_test
     if total > len(frames):
-        raise ConfigError("", "n_train", f"n_train + n_val + n_test = {total} exceeds the {len(frames)} images in {path}")
+        raise ConfigError(
+            "", "n_train", f"n_train + n_val + n_test = {total} exceeds the {len(frames)} images in {path}"
+        )
     if cfg.split_seed is not None:
         frames = frames[torch.randperm(len(frames), generator=torch.Generator().manual_seed(cfg.split_seed))]
     train, val, test = frames[:total].split([cfg.n_train, cfg.n_val, cfg.n_test])

@@ -1,7 +1,6 @@
 """Metrics plugin: evaluators that report figures and scalars (density plots of 2-D models)."""
 
 from eblvm_core.hookspecs import hookimpl
-
 from eblvm_metrics.density import DensityPlotConfig, build_density_plot
 from eblvm_metrics.samples import SampleGridConfig, build_sample_grid
 

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import reporting, EvalResult, Parts
+from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
 
 # anchor colours of a viridis-like map, from low (dark purple) to high (yellow)
-ANCHORS = ((0.267, 0.005, 0.329), (0.231, 0.322, 0.545), (0.129, 0.569, 0.549), (0.369, 0.788, 0.384), (0.993, 0.906, 0.144))
+ANCHORS = (
+    (0.267, 0.005, 0.329),
+    (0.231, 0.322, 0.545),
+    (0.129, 0.569, 0.549),
+    (0.369, 0.788, 0.384),
+    (0.993, 0.906, 0.144),
+)
 GAP = 4  # white pixels between the two panels
 
 
@@ -68,10 +75,16 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not model.has_free_energy:
-        raise ConfigError("", "kind", f"density-plot needs a model with a free energy F(v); {type(model).__name__} has none")
+        raise ConfigError(
+            "", "kind", f"density-plot needs a model with a free energy F(v); {type(model).__name__} has none"
+        )
     if data.dim != 2 or data.bounds is None:
-        raise ConfigError("", "kind", f"density-plot draws 2-D data with known bounds; this dataset has d={data.dim}"
-                          + ("" if data.bounds else " and no bounds"))
+        raise ConfigError(
+            "",
+            "kind",
+            f"density-plot draws 2-D data with known bounds; this dataset has d={data.dim}"
+            + ("" if data.bounds else " and no bounds"),
+        )
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
 

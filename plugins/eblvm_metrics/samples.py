@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -16,7 +17,9 @@ from eblvm_core.plugins import registry
 @attrs.frozen
 class SampleGridConfig:
     sampler: str = option("gibbs", "registered sampler that draws the samples (listed by `eblvm plugins`)")
-    sampler_options: dict[str, Any] = option({}, "that sampler's options, e.g. { burn_in = 200 }; the others keep their defaults")
+    sampler_options: dict[str, Any] = option(
+        {}, "that sampler's options, e.g. { burn_in = 200 }; the others keep their defaults"
+    )
     n: int = option(64, "number of samples in the grid", positive)
     nrow: int = option(8, "images per row of the grid", positive)
     padding: int = option(2, "white pixels between images", non_negative)
@@ -32,7 +35,9 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
         raise ConfigError("", "kind", f"sample-grid draws images; this dataset (d={data.dim}) has no image shape")
     samplers = registry("samplers")
     if cfg.sampler not in samplers:
-        raise ConfigError("", "sampler", f"unknown sampler '{cfg.sampler}'; valid: {', '.join(samplers.names()) or 'none registered'}")
+        raise ConfigError(
+            "", "sampler", f"unknown sampler '{cfg.sampler}'; valid: {', '.join(samplers.names()) or 'none registered'}"
+        )
     entry = samplers.get(cfg.sampler)
     try:
         sampler_cfg = structure(entry.config, cfg.sampler_options, "")

@@ -34,8 +34,9 @@ from eblvm_core.errors import ConfigError
 from eblvm_core.optim import apply_update
 
 
-def nce_loss(log_model_data: Tensor, log_noise_data: Tensor, log_model_noise: Tensor, log_noise_noise: Tensor,
-             nu: float) -> Tensor:
+def nce_loss(
+    log_model_data: Tensor, log_noise_data: Tensor, log_model_noise: Tensor, log_noise_noise: Tensor, nu: float
+) -> Tensor:
     """The NCE loss −mean log σ(G(x)) − ν mean log σ(−G(y)), G = log p_model − log p_n − log ν.
 
     ``log_model_*`` are normalised model log-densities (log φ − c); data terms have any shape
@@ -64,12 +65,19 @@ class GaussianNoise:
 @attrs.frozen
 class NCEConfig:
     nu: float = option(1.0, "noise ratio ν: noise draws per data point", positive)
-    noise: Literal["fitted", "fixed"] = option("fitted", "Gaussian noise fitted to the training data (mean, covariance), or fixed N(noise_mean, noise_std² I)")
-    noise_cov: Literal["full", "diagonal"] = option("diagonal", "covariance of the fitted noise; 'full' matches the data's second moments, which cancels a GRBM's W gradient to second order near W = 0")
+    noise: Literal["fitted", "fixed"] = option(
+        "fitted", "Gaussian noise fitted to the training data (mean, covariance), or fixed N(noise_mean, noise_std² I)"
+    )
+    noise_cov: Literal["full", "diagonal"] = option(
+        "diagonal",
+        "covariance of the fitted noise; 'full' matches the data's second moments, which cancels a GRBM's W gradient to second order near W = 0",
+    )
     noise_scale: float = option(1.0, "multiplies the fitted noise's standard deviations", positive)
     noise_mean: float = option(0.0, "mean of every coordinate of the fixed noise")
     noise_std: float = option(1.0, "standard deviation of the fixed noise", positive)
-    init_log_z: float | None = option(None, "initial c = log Z; None estimates it by importance sampling from the noise")
+    init_log_z: float | None = option(
+        None, "initial c = log Z; None estimates it by importance sampling from the noise"
+    )
     init_samples: int = option(10000, "noise draws of the importance-sampling estimate of the initial c", positive)
 
 
@@ -127,7 +135,9 @@ class NCE(Estimator):
         """log Z ≈ log mean_i φ(y_i)/p_n(y_i), y_i ~ p_n (importance sampling from the noise)."""
         with torch.no_grad():
             y = self.noise.sample(n).reshape(n, *like.shape[1:])
-            log_w = torch.cat([self.log_unnormalised(chunk, True) - self.noise.log_prob(chunk) for chunk in y.split(1000)])
+            log_w = torch.cat(
+                [self.log_unnormalised(chunk, True) - self.noise.log_prob(chunk) for chunk in y.split(1000)]
+            )
             return float(torch.logsumexp(log_w, 0) - math.log(n))
 
     def data_term(self, x: Tensor) -> Tensor:
@@ -138,8 +148,13 @@ class NCE(Estimator):
         n_noise = max(1, round(self.nu * len(batch)))
         nu = n_noise / len(batch)
         y = self.noise.sample(n_noise).reshape(n_noise, *batch.shape[1:])
-        loss = nce_loss(self.data_term(batch), self.noise.log_prob(batch),
-                        self.log_unnormalised(y, True) - self.log_z, self.noise.log_prob(y), nu)
+        loss = nce_loss(
+            self.data_term(batch),
+            self.noise.log_prob(batch),
+            self.log_unnormalised(y, True) - self.log_z,
+            self.noise.log_prob(y),
+            nu,
+        )
         apply_update(self.optimizers["model"], loss)
         return {"loss": loss.detach(), "log_z": self.log_z.detach().clone()}
 
@@ -157,8 +172,16 @@ class VNCE(NCE):
 
     roles = ("model", "posterior")
 
-    def __init__(self, model: EnergyModel, noise: GaussianNoise, nu: float, parts: Parts, posterior: Posterior,
-                 divergence: Divergence, cfg: VNCEConfig):
+    def __init__(
+        self,
+        model: EnergyModel,
+        noise: GaussianNoise,
+        nu: float,
+        parts: Parts,
+        posterior: Posterior,
+        divergence: Divergence,
+        cfg: VNCEConfig,
+    ):
         super().__init__(model, noise, nu, parts)
         self.posterior, self.divergence, self.cfg = posterior, divergence, cfg
         self.optimizers["posterior"] = parts.make_optimizer("posterior", list(posterior.parameters()))
@@ -199,7 +222,9 @@ def build_nce(cfg: NCEConfig, parts: Parts) -> NCE:
     """Noise-contrastive estimation with Gaussian noise and a learned log-normaliser (needs a free energy)."""
     model = parts.need("model", "estimator")
     if not model.has_free_energy:
-        raise ConfigError("estimator", "kind", f"nce needs the model's free energy F(v); {type(model).__name__} has none (use vnce)")
+        raise ConfigError(
+            "estimator", "kind", f"nce needs the model's free energy F(v); {type(model).__name__} has none (use vnce)"
+        )
     estimator = NCE(model, _noise_for(cfg, parts), cfg.nu, parts)
     _initialise(estimator, cfg, parts)
     return estimator
@@ -209,7 +234,9 @@ def build_vnce(cfg: VNCEConfig, parts: Parts) -> VNCE:
     """Variational NCE: q trained on the lower-level divergence, importance-weighted noise term."""
     model = parts.need("model", "estimator")
     if model.latent is None:
-        raise ConfigError("estimator", "kind", f"vnce is for latent-variable models; {type(model).__name__} has no latent (use nce)")
+        raise ConfigError(
+            "estimator", "kind", f"vnce is for latent-variable models; {type(model).__name__} has no latent (use nce)"
+        )
     posterior = parts.need("posterior", "estimator")
     divergence = parts.need("divergence", "estimator")
     estimator = VNCE(model, _noise_for(cfg, parts), cfg.nu, parts, posterior, divergence, cfg)

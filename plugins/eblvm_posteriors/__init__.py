@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 import torch
@@ -50,8 +51,12 @@ def latent_dim(parts: Parts, kind: str, given: int | None = None) -> int:
     if latent is None:
         if given is not None:
             return given
-        raise ConfigError("posterior", "kind", f"model '{type(model).__name__}' has no latent variable to infer"
-                          + (" (give latent_dim to use q(h|v) as an encoder)" if kind == "gaussian" else ""))
+        raise ConfigError(
+            "posterior",
+            "kind",
+            f"model '{type(model).__name__}' has no latent variable to infer"
+            + (" (give latent_dim to use q(h|v) as an encoder)" if kind == "gaussian" else ""),
+        )
     if given is not None and given != latent.dim:
         raise ConfigError("posterior", "latent_dim", f"{given} differs from the model's latent dimension {latent.dim}")
     if latent.kind != kind:
@@ -66,7 +71,9 @@ def latent_dim(parts: Parts, kind: str, given: int | None = None) -> int:
 
 @attrs.frozen
 class BernoulliConfig:
-    hidden: list[int] = option([], "hidden widths of the logit net; [] is linear (the exact GRBM posterior is then representable)")
+    hidden: list[int] = option(
+        [], "hidden widths of the logit net; [] is linear (the exact GRBM posterior is then representable)"
+    )
     activation: Activation = option("elu", "activation between hidden layers")
     temperature: float = option(0.1, "binary-concrete (Gumbel-softmax) temperature of rsample", positive)
 
@@ -79,8 +86,14 @@ class BernoulliPosterior(Posterior):
     relaxed h.
     """
 
-    def __init__(self, n_visible: int, n_latent: int, hidden: Sequence[int] = (), activation: str = "elu",
-                 temperature: float = 0.1):
+    def __init__(
+        self,
+        n_visible: int,
+        n_latent: int,
+        hidden: Sequence[int] = (),
+        activation: str = "elu",
+        temperature: float = 0.1,
+    ):
         super().__init__()
         self.net = mlp(n_visible, hidden, n_latent, activation)
         self.temperature = temperature
@@ -177,7 +190,9 @@ class GaussianPosterior(Posterior):
 class GaussianConfig:
     hidden: list[int] = option([256], "hidden widths of the MLP trunk; [] makes μ and log σ linear in v")
     activation: Activation = option("elu", "activation between layers")
-    latent_dim: int | None = option(None, "m; default the model's latent dimension (required with a fully visible model)", positive)
+    latent_dim: int | None = option(
+        None, "m; default the model's latent dimension (required with a fully visible model)", positive
+    )
 
 
 def build_gaussian(cfg: GaussianConfig, parts: Parts) -> GaussianPosterior:
@@ -196,8 +211,12 @@ def build_gaussian(cfg: GaussianConfig, parts: Parts) -> GaussianPosterior:
 class GaussianConvConfig:
     channels: int = option(32, "channels of the first conv layer (then 2x, 4x)", positive)
     activation: Activation = option("elu", "activation between layers")
-    image_shape: list[int] | None = option(None, "[C, H, W]; default: the data set's image shape, else the data's own shape")
-    latent_dim: int | None = option(None, "m; default the model's latent dimension (required with a fully visible model)", positive)
+    image_shape: list[int] | None = option(
+        None, "[C, H, W]; default: the data set's image shape, else the data's own shape"
+    )
+    latent_dim: int | None = option(
+        None, "m; default the model's latent dimension (required with a fully visible model)", positive
+    )
 
 
 class ConvTrunk(nn.Module):
@@ -209,9 +228,12 @@ class ConvTrunk(nn.Module):
         act = ACTIVATIONS[activation]
         c = channels
         self.net = nn.Sequential(
-            nn.Conv2d(image_shape[0], c, 3, 1, 1), act(),
-            nn.Conv2d(c, 2 * c, 4, 2, 1), act(),
-            nn.Conv2d(2 * c, 4 * c, 4, 2, 1), act(),
+            nn.Conv2d(image_shape[0], c, 3, 1, 1),
+            act(),
+            nn.Conv2d(c, 2 * c, 4, 2, 1),
+            act(),
+            nn.Conv2d(2 * c, 4 * c, 4, 2, 1),
+            act(),
             nn.Flatten(),
         )
 
@@ -228,7 +250,9 @@ def build_gaussian_conv(cfg: GaussianConvConfig, parts: Parts) -> GaussianPoster
         shape = (1, *shape)
     if len(shape) != 3 or math.prod(shape) != data.dim:
         raise ConfigError(
-            "posterior", "image_shape", f"need [C, H, W] with C·H·W = {data.dim} (data shape {data.shape}), got {list(shape)}"
+            "posterior",
+            "image_shape",
+            f"need [C, H, W] with C·H·W = {data.dim} (data shape {data.shape}), got {list(shape)}",
         )
     trunk = ConvTrunk(shape, cfg.channels, cfg.activation)
     with torch.no_grad():

@@ -2,7 +2,6 @@
 
 from eblvm_core.hookspecs import hookimpl
 from eblvm_core.registry import NoConfig
-
 from eblvm_score.estimators import ExactScore, build_exact_score
 from eblvm_score.ksd import KSD, KSDConfig, build_ksd
 from eblvm_score.objectives import DSM, SM, SSM, DSMConfig, SSMConfig, build_dsm, build_sm, build_ssm

@@ -23,7 +23,9 @@ class ExactScore(Estimator):
     def __init__(self, model: EnergyModel, objective: ScoreObjective, parts: Parts):
         self.model, self.objective = model, objective
         self.precisions = ("fp32", "bf16") if objective.value_only else ("fp32",)
-        self.precision_note = "" if objective.value_only else "objectives that differentiate the score again stay in fp32"
+        self.precision_note = (
+            "" if objective.value_only else "objectives that differentiate the score again stay in fp32"
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizers = {"model": parts.make_optimizer("model", params)}
 
@@ -44,7 +46,8 @@ def build_exact_score(cfg: NoConfig, parts: Parts) -> ExactScore:
     model = parts.need("model", "estimator")
     if not model.has_free_energy:
         raise ConfigError(
-            "estimator", "kind",
+            "estimator",
+            "kind",
             f"exact-score needs the model's free energy F(v), and model {type(model).__name__} has none; "
             "use an estimator for latent variable models instead",
         )

@@ -16,7 +16,9 @@ from eblvm_core.contracts import Parts, ScoreObjective
 class KSDConfig:
     bandwidth: float = option(0.1, "RBF bandwidth h of k(x, x') = exp(−‖x − x'‖²/(2h²))", positive)
     pairing: Literal["all", "halves"] = option(
-        "all", "'all': U-statistic over every pair i ≠ j of the batch; 'halves': pair x_i with x_{i+B/2} (released code)")
+        "all",
+        "'all': U-statistic over every pair i ≠ j of the batch; 'halves': pair x_i with x_{i+B/2} (released code)",
+    )
 
 
 class KSD(ScoreObjective):

@@ -7,7 +7,8 @@ exact trace for small d) and the objective is then evaluated on the chosen split
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import attrs
 import torch
@@ -65,15 +66,20 @@ class FisherCritic:
         self.cfg = cfg
         model = parts.need("model", "eval")
         if not model.has_free_energy and parts.posterior is None:
-            raise ConfigError("eval", "kind", "fisher-critic needs a model with a free energy or a [posterior] for VaES")
+            raise ConfigError(
+                "eval", "kind", "fisher-critic needs a model with a free energy or a [posterior] for VaES"
+            )
         if not parts.need("data", "eval").has(cfg.split):
             raise ConfigError("eval", "split", f"the data set has no '{cfg.split}' split")
 
     def __call__(self, parts: Parts) -> EvalResult:
         cfg, data = self.cfg, parts.data
         model = parts.model
-        model_score = (lambda x: exact_score(model, x, create_graph=False)) if model.has_free_energy else \
-            vaes_score(model, parts.posterior, cfg.n_samples)
+        model_score = (
+            (lambda x: exact_score(model, x, create_graph=False))
+            if model.has_free_energy
+            else vaes_score(model, parts.posterior, cfg.n_samples)
+        )
 
         def score(x: Tensor) -> Tensor:  # flattened points (B, d) -> flattened scores (B, d)
             return model_score(x.view(len(x), *data.shape)).flatten(1)
@@ -85,8 +91,9 @@ class FisherCritic:
         gen = torch.Generator().manual_seed(cfg.seed)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
-            f = nn.Sequential(nn.Linear(d, cfg.width), nn.SiLU(), nn.Linear(cfg.width, cfg.width), nn.SiLU(),
-                              nn.Linear(cfg.width, d)).to(train.device, train.dtype)
+            f = nn.Sequential(
+                nn.Linear(d, cfg.width), nn.SiLU(), nn.Linear(cfg.width, cfg.width), nn.SiLU(), nn.Linear(cfg.width, d)
+            ).to(train.device, train.dtype)
             opt = torch.optim.Adam(f.parameters(), lr=cfg.lr)
             for _ in range(cfg.steps):
                 idx = torch.randint(len(train), (min(cfg.batch_size, len(train)),), generator=gen).to(train.device)

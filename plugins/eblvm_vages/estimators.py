@@ -55,15 +55,19 @@ class VariationalScore(Estimator):
 
     roles = ("model", "posterior")
 
-    def __init__(self, parts: Parts, cfg: "VaGESConfig", covariance: bool):
+    def __init__(self, parts: Parts, cfg: VaGESConfig, covariance: bool):
         self.model: EnergyModel = parts.need("model", "estimator")
         self.posterior: Posterior = parts.need("posterior", "estimator")
         self.objective: ScoreObjective = parts.need("objective", "estimator")
         self.divergence = parts.need("divergence", "estimator")
         if not self.objective.value_only:
-            raise ConfigError("objective", "kind", "VaES/VaGES need an objective that uses only score values (dsm, ksd)")
+            raise ConfigError(
+                "objective", "kind", "VaES/VaGES need an objective that uses only score values (dsm, ksd)"
+            )
         if covariance and cfg.n_samples < 2:
-            raise ConfigError("estimator", "n_samples", "VaGES needs at least 2 posterior samples for the covariance term")
+            raise ConfigError(
+                "estimator", "n_samples", "VaGES needs at least 2 posterior samples for the covariance term"
+            )
         if cfg.langevin_steps and self.model.latent is not None and self.model.latent.kind != "gaussian":
             raise ConfigError("estimator", "langevin_steps", "Langevin correction needs continuous (gaussian) h")
         self.cfg, self.covariance = cfg, covariance
@@ -75,14 +79,17 @@ class VariationalScore(Estimator):
 
     def fit_posterior(self, x: Tensor) -> dict[str, float]:
         """K updates of φ on the lower-level divergence at the points x; θ gets no gradient."""
-        return fit_posterior(self.divergence, self.model, self.posterior, self.optimizers["posterior"], x,
-                             self.cfg.inner_steps)
+        return fit_posterior(
+            self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.cfg.inner_steps
+        )
 
     def posterior_samples(self, x: Tensor) -> Tensor:
         """h_1..h_L ~ q(h|x) (L, B, m), exact draws, optionally Langevin-corrected; constants."""
         h = self.posterior.sample(x.detach(), self.cfg.n_samples)
         if self.cfg.langevin_steps:
-            h = langevin_correct(self.model, x, h, self.cfg.langevin_steps, self.cfg.langevin_step_size, self.cfg.langevin_noise)
+            h = langevin_correct(
+                self.model, x, h, self.cfg.langevin_steps, self.cfg.langevin_step_size, self.cfg.langevin_noise
+            )
         return h
 
     def surrogate(self, x: Tensor, context: Any, h: Tensor) -> tuple[Tensor, Tensor]:
@@ -151,9 +158,13 @@ class ImportanceScore(Estimator):
         self.objective: ScoreObjective = parts.need("objective", "estimator")
         latent = self.model.latent
         if latent is None or latent.kind != "bernoulli":
-            raise ConfigError("estimator", "kind", "is-score uses uniform Bernoulli proposals: the model needs Bernoulli h")
+            raise ConfigError(
+                "estimator", "kind", "is-score uses uniform Bernoulli proposals: the model needs Bernoulli h"
+            )
         self.n_samples, self.m = n_samples, latent.dim
-        self.optimizers = {"model": parts.make_optimizer("model", [p for p in self.model.parameters() if p.requires_grad])}
+        self.optimizers = {
+            "model": parts.make_optimizer("model", [p for p in self.model.parameters() if p.requires_grad])
+        }
 
     def score(self, x: Tensor) -> Tensor:
         """x (B, d) -> ŝ(x) (B, d), differentiable in x and θ; fresh proposals each call."""

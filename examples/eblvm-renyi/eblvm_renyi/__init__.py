@@ -86,7 +86,11 @@ def build_renyi(cfg: RenyiConfig, parts: Parts) -> Renyi:
     """Variational Rényi α-divergence −L̂_α from k samples of q (α → 1: the KL form); any latent kind."""
     model = parts.need("model", "divergence")
     if model.latent is None:
-        raise ConfigError("divergence", "kind", f"'renyi' compares q(h|v) with p(h|v); model {type(model).__name__} has no latent variable")
+        raise ConfigError(
+            "divergence",
+            "kind",
+            f"'renyi' compares q(h|v) with p(h|v); model {type(model).__name__} has no latent variable",
+        )
     return Renyi(cfg.alpha, cfg.n_samples)
 
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from eblvm_renyi import Renyi, log_weights, renyi_bound
 
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import load
 from eblvm_core.testing import check_divergence, linear_gaussian_setup, make, tiny_grbm_setup
-from eblvm_renyi import Renyi, log_weights, renyi_bound
 
 torch.set_num_threads(1)
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm_renyi.toml"
@@ -61,7 +61,7 @@ def test_agrees_with_the_kl_plugin_as_alpha_tends_to_1(setup):
     spread = log_w.amax(0) - log_w.amin(0)
     half_var = 0.5 * log_w.var(0, unbiased=False)
     for alpha in (0.9, 0.99, 0.999):
-        gap = kl_values - seeded(lambda: Renyi(alpha, k)(model, q, v))
+        gap = kl_values - seeded(lambda a=alpha: Renyi(a, k)(model, q, v))
         assert (gap >= -1e-12).all() and (gap <= (1 - alpha) * spread**2 / 8 + 1e-12).all()
         third = (1 - alpha) * ((log_w - log_w.mean(0)).abs() ** 3).mean(0)  # bounds the next cumulant's term
         assert ((gap / (1 - alpha) - half_var).abs() <= third + 1e-9).all()
