@@ -61,3 +61,58 @@ def test_frey_face_recipes_train_on_cuda(recipe, tmp_path):
     ]
     _, results = run(RECIPES / recipe, overrides, device="cuda", out=tmp_path / "runs", echo=lambda _: None)
     assert all(math.isfinite(value) for value in results.values()), results
+
+
+def test_a_cuda_index_and_bf16_autocast_on_cuda(tmp_path):
+    """`cuda:0` is accepted, and the bf16 DSM loss and gradient of a conv energy agree with fp32 on CUDA too."""
+    from eblvm_core.testing import make
+    from tests.test_precision import TOLERANCE, ConvEnergy, loss_and_gradient, relative
+
+    torch.manual_seed(0)
+    model, objective = ConvEnergy().to(CUDA), make("objectives", "dsm", sigma=0.1)
+    x, context = objective.points(torch.rand(64, 1, 8, 8, device=CUDA))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss16 = objective.loss(lambda y: exact_score(model, y), x, context).mean()
+    loss32, grad32 = loss_and_gradient(model, objective, x, context, bf16=False)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss16, params, allow_unused=True)
+    grad16 = torch.cat([(torch.zeros_like(p) if g is None else g).flatten() for p, g in zip(params, grads)])
+    target = 0.5 * ((context / 0.1) ** 2).flatten(1).sum(1).mean()
+    assert abs(float(loss16 - loss32)) < TOLERANCE * abs(float(loss32 - target))
+    assert relative(grad16, grad32) < TOLERANCE
+    overrides = ["run.steps=20", "run.log_every=10", 'run.device="cuda:0"', "run.eval_every=0"]
+    run_dir, results = run(RECIPES / "grbm_dsm.toml", overrides, out=tmp_path, echo=lambda _: None)
+    assert all(math.isfinite(value) for value in results.values())
+
+
+def test_image_folder_batches_reach_cuda_through_pinned_memory(tmp_path):
+    from eblvm_core.data import Batches
+    from tests.test_data import folder_data, write_images
+
+    write_images(tmp_path / "train", 8)
+    write_images(tmp_path / "test", 2)
+    data = folder_data(tmp_path, workers=2)
+    on_gpu = Batches(data, 4, 0, CUDA, torch.float32)
+    on_cpu = Batches(data, 4, 0, torch.device("cpu"), torch.float32)
+    for _ in range(3):
+        a, b = on_gpu.next(), on_cpu.next()
+        assert a.device.type == "cuda" and a.shape == (4, 3, 6, 5)
+        torch.testing.assert_close(a.cpu(), b, rtol=0, atol=1e-7)
+    augmented = Batches(folder_data(tmp_path, workers=2, flip=True, dequantize=True), 4, 0, CUDA, torch.float32).next()
+    assert augmented.device.type == "cuda" and 0 <= float(augmented.min()) and float(augmented.max()) <= 1
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_three_roles_train_on_cuda(tmp_path, monkeypatch, precision):
+    from eblvm_core import plugins
+    from tests.test_roles import RECIPE
+
+    monkeypatch.setenv("EBLVM_PLUGIN_MODULES", "tests.three_roles")
+    monkeypatch.setattr(plugins, "_loaded", None)
+    plugins.load(force=True)
+    recipe = tmp_path / "roles.toml"
+    recipe.write_text(RECIPE)
+    _, results = run(
+        recipe, [f'run.precision="{precision}"'], device="cuda", out=tmp_path / "runs", echo=lambda _: None
+    )
+    assert math.isfinite(results["eval/generator-norm/norm"])

@@ -175,3 +175,13 @@ def test_checkpoints_load_weights_only(tmp_path):
     except pickle.UnpicklingError:
         return
     raise AssertionError("a checkpoint with arbitrary objects must not load")
+
+
+def test_the_readme_recipe_is_the_main_job():
+    """The README's recipe block and recipes/grbm_bissm.toml say the same thing (comments aside)."""
+    import re
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    (block,) = re.findall(r"```toml\n(\[run\].*?)```", (root / "README.md").read_text(), flags=re.S)
+    assert tomllib.loads(block) == tomllib.loads((root / "recipes" / "grbm_bissm.toml").read_text())
