@@ -184,7 +184,8 @@ class DataSplits:
     identity for float data); ``augment(batch, generator)`` draws the training-time random
     transforms (flips, dequantisation noise), reproducibly from the generator. Images are
     (C, H, W). ``bounds`` is the box the data live in ((low, high) per flattened dimension)
-    where known; plots and grid integrals use it.
+    where known; plots and grid integrals use it. ``labels`` maps a split to its class labels
+    (N,) where the data set has them (probes and plots use them; training never does).
     """
 
     train: Any
@@ -195,6 +196,7 @@ class DataSplits:
     prepare: Callable[[Tensor], Tensor] | None = None
     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
     workers: int = 0
+    labels: dict[str, Tensor] | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.event_shape is None:
@@ -231,6 +233,15 @@ class DataSplits:
             raise ValueError(f"the data set has no '{split}' split")
         n = len(store) if n is None else min(n, len(store))
         raw = store[:n] if isinstance(store, Tensor) else torch.stack([store[i] for i in range(n)])
+        return self.prepare(raw) if self.prepare is not None else raw
+
+    def take(self, split: str, indices: Tensor) -> Tensor:
+        """The examples ``indices`` (k,) of a split, prepared: (k, *event_shape), on the split's device."""
+        store = getattr(self, split)
+        if isinstance(store, Tensor):
+            raw = store[indices.to(store.device)]
+        else:
+            raw = torch.stack([store[int(i)] for i in indices.tolist()])
         return self.prepare(raw) if self.prepare is not None else raw
 
     @classmethod

@@ -1,8 +1,10 @@
-"""Image data sets: Frey face (the BiSM paper's GRBM experiments) and folders of image files."""
+"""Image data sets: Frey face (the GRBM experiments), MNIST, CIFAR-10, CelebA and scikit-learn's
+digits (the deep-EBLVM experiments), and folders of image files."""
 
 from eblvm_core.hookspecs import hookimpl
 from eblvm_images.folder import ImageFolderConfig, image_folder
 from eblvm_images.freyface import FreyFaceConfig, freyface
+from eblvm_images.standard import CelebAConfig, CIFAR10Config, DigitsConfig, MNISTConfig, celeba, cifar10, digits, mnist
 
 __all__ = ["FreyFaceConfig", "ImageFolderConfig", "freyface", "image_folder"]
 
@@ -11,3 +13,7 @@ __all__ = ["FreyFaceConfig", "ImageFolderConfig", "freyface", "image_folder"]
 def register_datasets(register):
     register("freyface", freyface, FreyFaceConfig)
     register("image-folder", image_folder, ImageFolderConfig)
+    register("digits", digits, DigitsConfig)
+    register("mnist", mnist, MNISTConfig)
+    register("cifar10", cifar10, CIFAR10Config)
+    register("celeba", celeba, CelebAConfig)

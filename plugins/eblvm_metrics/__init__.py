@@ -1,7 +1,9 @@
-"""Metrics plugin: evaluators that report figures and scalars (density plots of 2-D models)."""
+"""Metrics plugin: density plots of 2-D models, sample grids, FID, and probes of the posterior (SVM, 2-D embeddings)."""
 
 from eblvm_core.hookspecs import hookimpl
 from eblvm_metrics.density import DensityPlotConfig, build_density_plot
+from eblvm_metrics.fid import FIDConfig, build_fid
+from eblvm_metrics.probes import EmbeddingConfig, SVMProbeConfig, build_posterior_embedding, build_svm_probe
 from eblvm_metrics.samples import SampleGridConfig, build_sample_grid
 
 __all__ = ["DensityPlotConfig", "SampleGridConfig", "build_density_plot", "build_sample_grid"]
@@ -11,3 +13,6 @@ __all__ = ["DensityPlotConfig", "SampleGridConfig", "build_density_plot", "build
 def register_evaluators(register):
     register("density-plot", build_density_plot, DensityPlotConfig)
     register("sample-grid", build_sample_grid, SampleGridConfig)
+    register("fid", build_fid, FIDConfig)
+    register("svm-probe", build_svm_probe, SVMProbeConfig)
+    register("posterior-embedding", build_posterior_embedding, EmbeddingConfig)

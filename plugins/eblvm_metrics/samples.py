@@ -49,15 +49,31 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
     except ConfigError as exc:
         raise ConfigError("", "sampler", exc.message) from None
 
+    low, high = data.bounds[0] if data.bounds else (0.0, 1.0)
+
     @reporting([])
     def evaluate(parts: Parts) -> EvalResult:
-        """{"samples": (3, H', W')}: n images of shape (C, H, W) tiled nrow to a row, in [0, 1]."""
-        generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
-        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, *event_shape)
-        images = samples.reshape(cfg.n, *shape).clamp(0, 1).float().cpu()
+        """{"samples": (3, H', W')}: n images of shape (C, H, W) tiled nrow to a row, in [0, 1]; with a
+        sampler that keeps a trajectory (annealed Langevin's ``snapshots``) also {"trajectory"}: one
+        row per chain (up to nrow chains), its states left to right."""
         from torchvision.utils import make_grid  # imported here: torchvision adds 2 s to every CLI start
 
-        grid = make_grid(images, nrow=cfg.nrow, padding=cfg.padding, pad_value=1.0)
-        return EvalResult(images={"samples": grid})
+        generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
+        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, *event_shape)
+
+        def unit(x: torch.Tensor) -> torch.Tensor:
+            return ((x.float().cpu() - low) / (high - low)).clamp(0, 1)
+
+        images = {
+            "samples": make_grid(
+                unit(samples.reshape(cfg.n, *shape)), nrow=cfg.nrow, padding=cfg.padding, pad_value=1.0
+            )
+        }
+        trajectory = getattr(sampler, "trajectory", None)
+        if trajectory is not None:
+            k = trajectory.shape[0]
+            chains = trajectory[:, : cfg.nrow].transpose(0, 1).reshape(-1, *shape)  # chain-major, states in order
+            images["trajectory"] = make_grid(unit(chains), nrow=k, padding=cfg.padding, pad_value=1.0)
+        return EvalResult(images=images)
 
     return evaluate

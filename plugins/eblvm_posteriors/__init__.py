@@ -260,8 +260,44 @@ def build_gaussian_conv(cfg: GaussianConvConfig, parts: Parts) -> GaussianPoster
     return GaussianPosterior(trunk, n_features, m)
 
 
+@attrs.frozen
+class GaussianConv3Config:
+    channels: int = option(64, "channels of the first stride-2 conv (then 2x, 4x: the papers' 64/128/256)", positive)
+    negative_slope: float = option(0.2, "slope of the LeakyReLU for negative inputs")
+    spectral_norm: bool = option(False, "spectral normalisation on the convs and heads")
+    latent_dim: int | None = option(
+        None, "m; default the model's latent dimension (required with a fully visible model)", positive
+    )
+
+
+def build_gaussian_conv3(cfg: GaussianConv3Config, parts: Parts) -> GaussianPosterior:
+    """The papers' image posterior: three 3×3 stride-2 convs (64/128/256, LeakyReLU 0.2), linear mean and log-std heads."""
+    m = latent_dim(parts, "gaussian", cfg.latent_dim)
+    shape = parts.need("data", "posterior").image_shape
+    if shape is None:
+        raise ConfigError(
+            "posterior", "kind", f"gaussian-conv3 reads images (C, H, W); the data's examples are {parts.data.shape}"
+        )
+    c = cfg.channels
+    layers: list[nn.Module] = []
+    for c_in, c_out in ((shape[0], c), (c, 2 * c), (2 * c, 4 * c)):
+        layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1), nn.LeakyReLU(cfg.negative_slope)]
+    if cfg.spectral_norm:
+        from torch.nn.utils.parametrizations import spectral_norm
+
+        layers = [spectral_norm(layer) if isinstance(layer, nn.Conv2d) else layer for layer in layers]
+    trunk = nn.Sequential(*layers, nn.Flatten())
+    with torch.no_grad():
+        n_features = trunk(torch.zeros(1, *shape)).shape[1]
+    posterior = GaussianPosterior(trunk, n_features, m)
+    if cfg.spectral_norm:
+        posterior.head = spectral_norm(posterior.head)
+    return posterior
+
+
 @hookimpl
 def register_posteriors(register):
     register("bernoulli", build_bernoulli, BernoulliConfig)
     register("gaussian", build_gaussian, GaussianConfig)
     register("gaussian-conv", build_gaussian_conv, GaussianConvConfig)
+    register("gaussian-conv3", build_gaussian_conv3, GaussianConv3Config)

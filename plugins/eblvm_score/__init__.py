@@ -4,9 +4,21 @@ from eblvm_core.hookspecs import hookimpl
 from eblvm_core.registry import NoConfig
 from eblvm_score.estimators import ExactScore, build_exact_score
 from eblvm_score.ksd import KSD, KSDConfig, build_ksd
-from eblvm_score.objectives import DSM, SM, SSM, DSMConfig, SSMConfig, build_dsm, build_sm, build_ssm
+from eblvm_score.objectives import (
+    DSM,
+    MDSM,
+    SM,
+    SSM,
+    DSMConfig,
+    MDSMConfig,
+    SSMConfig,
+    build_dsm,
+    build_mdsm,
+    build_sm,
+    build_ssm,
+)
 
-__all__ = ["DSM", "KSD", "SM", "SSM", "ExactScore"]
+__all__ = ["DSM", "KSD", "MDSM", "SM", "SSM", "ExactScore"]
 
 
 @hookimpl
@@ -14,6 +26,7 @@ def register_objectives(register):
     register("sm", build_sm, NoConfig)
     register("ssm", build_ssm, SSMConfig)
     register("dsm", build_dsm, DSMConfig)
+    register("mdsm", build_mdsm, MDSMConfig)
     register("ksd", build_ksd, KSDConfig)
 
 
