@@ -294,11 +294,9 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
         assert [s for s, _ in vals] == [2, 4, 6]  # only the spec's [[eval]] ran during training
         best_step = min(vals, key=lambda sv: sv[1])[0]
         assert ckpt.load(run_dir / "checkpoints" / "best.pt")["step"] == best_step
-        assert set(r["final"]) == {
-            "eval/ais-loglik/test_loglik",
-            "eval/ais-loglik/test_loglik_stderr",
-            "eval/ais-loglik/log_z",
-            "eval/ais-loglik/log_z_stderr",
+        ais_keys = ["test_loglik", "test_loglik_stderr", "test_loglik_reverse", "log_z", "log_z_stderr", "log_z_ess"]
+        ais_keys += ["log_z_reverse", "log_z_reverse_stderr", "log_z_reverse_ess", "log_z_gap"]
+        assert set(r["final"]) == {f"eval/ais-loglik/{k}" for k in ais_keys} | {
             "eval/score-loss/test_score_loss",
             "eval/score-loss/test_score_loss_stderr",
         }

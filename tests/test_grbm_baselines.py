@@ -1,4 +1,4 @@
-"""Gibbs sampling, AIS, CD/PCD and the Fisher evaluators of the GRBM plugin, checked against
+"""Gibbs sampling, CD/PCD and the Fisher evaluators of the GRBM plugin, checked against
 enumeration, closed forms and independent computations."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ import math
 
 import pytest
 import torch
-from eblvm_grbm.ais import AISLoglikConfig, ais_log_partition, base_log_partition, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd, contrastive_loss
-from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
 from eblvm_grbm.fisher import ScoreLossConfig, build_score_loss, score_matching_loss
 from eblvm_grbm.gibbs import GibbsConfig, GibbsSampler, gibbs_chain
 from eblvm_grbm.model import GRBM, all_binary
@@ -98,69 +96,6 @@ def test_gibbs_sampler_is_reproducible_and_refuses_other_models():
     assert torch.equal(a, b) and a.shape == (7, 2)
     with pytest.raises(ConfigError, match="needs a GRBM"):
         sampler.sample(torch.nn.Linear(2, 2), 3)  # type: ignore[arg-type]
-
-
-# ---- AIS -------------------------------------------------------------------------------------
-
-
-def test_base_log_partition_is_the_enumerated_value_at_w_zero():
-    model = random_grbm(d=3, m=4)
-    with torch.no_grad():
-        model.W.zero_()
-    torch.testing.assert_close(base_log_partition(model), model.log_partition(), rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize("seed, coupling", [(0, "scaled"), (1, "scaled"), (2, "plain")])
-def test_ais_agrees_with_enumeration_within_its_reported_error(seed, coupling):
-    model = random_grbm(d=4, m=6, sigma=0.6, weight_std=0.7, seed=seed, coupling=coupling)
-    result = ais_log_partition(model, n_chains=300, n_temps=300, generator=torch.Generator().manual_seed(seed))
-    exact = float(model.log_partition().detach())
-    assert 0 < result.log_z_stderr < 0.1
-    assert abs(result.log_z - exact) <= 4 * result.log_z_stderr, (result.log_z, exact, result.log_z_stderr)
-
-
-def test_ais_log_z_is_a_stochastic_lower_bound_and_z_is_unbiased():
-    """Few temperatures make the Jensen gap visible: mean log Ẑ over repeats sits below log Z,
-    while Ẑ itself (pooling every chain's weight) stays unbiased."""
-    model = random_grbm(d=3, m=5, sigma=0.6, weight_std=0.9, seed=4)
-    exact = float(model.log_partition().detach())
-    repeats, chains = 400, 4
-    result = ais_log_partition(model, repeats * chains, n_temps=6, generator=torch.Generator().manual_seed(5))
-    log_z0 = float(base_log_partition(model).detach())
-    log_w = result.log_weights.reshape(repeats, chains)
-    per_run = log_z0 + torch.logsumexp(log_w, 1) - math.log(chains)  # log Ẑ of each small AIS run
-    stderr = float(per_run.std()) / math.sqrt(repeats)
-    assert float(per_run.mean()) <= exact + 2 * stderr
-    assert float(per_run.mean()) < exact - 5 * stderr  # the bias is real, not noise
-    assert abs(result.log_z - exact) <= 4 * result.log_z_stderr
-
-
-def test_ais_evaluator_matches_exact_loglik_and_reports_its_error():
-    model = random_grbm(d=3, m=5, sigma=0.6, weight_std=0.7, seed=6)
-    data = DataSplits(
-        train=torch.randn(40, 3, dtype=torch.float64),
-        test=torch.randn(200, 3, dtype=torch.float64),
-        val=torch.randn(30, 3, dtype=torch.float64),
-    )
-    parts = Parts(dtype=torch.float64, data=data, model=model)
-    ais = build_ais_loglik(AISLoglikConfig(n_chains=300, n_temps=300, split="val"), parts)(parts).scalars
-    exact = build_exact_loglik(ExactLoglikConfig(split="val"), parts)(parts).scalars
-    assert set(ais) == {"val_loglik", "val_loglik_stderr", "log_z", "log_z_stderr"}
-    assert abs(ais["val_loglik"] - exact["val_loglik"]) <= 4 * ais["val_loglik_stderr"]
-    assert ais["log_z"] == pytest.approx(float(model.log_partition().detach()), abs=4 * ais["log_z_stderr"])
-    again = build_ais_loglik(AISLoglikConfig(n_chains=300, n_temps=300, split="val"), parts)(parts).scalars
-    assert again == ais  # seeded
-
-
-def test_ais_evaluator_refusals():
-    model = random_grbm(d=2, m=2)
-    data = DataSplits(train=torch.randn(4, 2), test=torch.randn(4, 2))
-    with pytest.raises(ConfigError, match="no 'val' split"):
-        build_ais_loglik(AISLoglikConfig(split="val"), Parts(data=data, model=model))
-    with pytest.raises(ConfigError, match="at least 2 temperatures"):
-        build_ais_loglik(AISLoglikConfig(n_temps=1), Parts(data=data, model=model))
-    with pytest.raises(ConfigError, match="needs a GRBM"):
-        build_ais_loglik(AISLoglikConfig(), Parts(data=data, model=torch.nn.Linear(2, 2)))  # type: ignore[arg-type]
 
 
 # ---- CD / PCD --------------------------------------------------------------------------------

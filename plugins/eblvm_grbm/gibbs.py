@@ -1,10 +1,6 @@
-"""Block Gibbs sampling for the GRBM (v → h → v), also at an inverse temperature β of the
-coupling, as AIS needs.
-
-At coupling β the energy is E_β(v, h) = ‖v − b‖²/(2σ²) − cᵀh − β vᵀUh (U the model's
-coupling weight, W/σ or W), so p_β(h_j = 1 | v) = sigmoid(c_j + β(Uᵀv)_j) and
-p_β(v | h) = N(b + βσ²Uh, σ²I); β = 1 is the GRBM itself and β = 0 the independent base model
-used by AIS.
+"""Block Gibbs sampling for the GRBM (v → h → v): p(h_j = 1 | v) = sigmoid(c_j + (Uᵀv)_j) and
+p(v | h) = N(b + σ²Uh, σ²I), U the model's coupling weight (W/σ or W). AIS runs its own sweeps
+along its annealing path (ais.py).
 """
 
 from __future__ import annotations
@@ -21,29 +17,28 @@ from eblvm_core.errors import ConfigError
 from eblvm_grbm.model import GRBM
 
 
-def sample_hidden(model: GRBM, v: Tensor, beta: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """h ~ p_β(h | v): v (B, d) -> h (B, m) in {0, 1}."""
-    probs = torch.sigmoid(model.c + beta * (v @ model.coupling_weight()))
-    return torch.bernoulli(probs, generator=generator)
+def sample_hidden(model: GRBM, v: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """h ~ p(h | v): v (B, d) -> h (B, m) in {0, 1}."""
+    return torch.bernoulli(torch.sigmoid(model.hidden_logits(v)), generator=generator)
 
 
-def sample_visible(model: GRBM, h: Tensor, beta: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """v ~ p_β(v | h) = N(b + βσ²Uh, σ²I): h (B, m) -> v (B, d)."""
-    mean = model.b + beta * model.sigma**2 * (h @ model.coupling_weight().T)
+def sample_visible(model: GRBM, h: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """v ~ p(v | h) = N(b + σ²Uh, σ²I): h (B, m) -> v (B, d)."""
+    mean = model.visible_mean(h)
     noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
     return mean + model.sigma * noise
 
 
-def gibbs_sweep(model: GRBM, v: Tensor, beta: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """One sweep v → h → v at coupling β; leaves p_β(v) invariant. v (B, d) -> (B, d)."""
-    return sample_visible(model, sample_hidden(model, v, beta, generator), beta, generator)
+def gibbs_sweep(model: GRBM, v: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One sweep v → h → v; leaves p(v) invariant. v (B, d) -> (B, d)."""
+    return sample_visible(model, sample_hidden(model, v, generator), generator)
 
 
 def gibbs_chain(model: GRBM, v: Tensor, n_steps: int, generator: torch.Generator | None = None) -> Tensor:
     """``n_steps`` sweeps from v (B, d) at β = 1, without gradients; returns the last state (B, d)."""
     with torch.no_grad():
         for _ in range(n_steps):
-            v = gibbs_sweep(model, v, 1.0, generator)
+            v = gibbs_sweep(model, v, generator)
     return v
 
 
@@ -106,7 +101,7 @@ class GibbsSampler(Sampler):
                 if i > 0:
                     v = gibbs_chain(grbm, v, cfg.n_steps, generator)
                 if cfg.final_mean:
-                    kept.append(grbm.visible_mean(sample_hidden(grbm, v, 1.0, generator)))
+                    kept.append(grbm.visible_mean(sample_hidden(grbm, v, generator)))
                 else:
                     kept.append(v)
         samples = torch.cat(kept)[:n]
