@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,21 +43,49 @@ def run(
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     out: Path = typer.Option(Path("runs"), help="folder that holds run directories"),
     resume: Path | None = typer.Option(None, help="continue the run in this run directory"),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        min=1,
+        help="train with this many processes on this machine, launched by torchrun (data parallel; docs/distributed.md)",
+    ),
 ) -> None:
-    """Train a model as a recipe says; print the final evaluation."""
+    """Train a model as a recipe says; print the final evaluation.
+
+    Under torchrun (`torchrun --nproc-per-node G -m eblvm run RECIPE`) every process runs this
+    command; rank 0 alone writes and prints. [run] batch_size is the global batch.
+    """
     _check_device(device)
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
+    if nproc_per_node is not None:
+        _launch(nproc_per_node, recipe, override, device, out, resume)
 
     def go() -> None:
         from eblvm_core.trainer import run as train
 
         run_dir, results = train(recipe, override, device, out, resume, echo=typer.echo)
+        if os.environ.get("RANK", "0") != "0":
+            return
         for key, value in results.items():
             typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
         typer.echo(f"done: {run_dir}")
 
     guarded(go)
+
+
+def _launch(
+    nproc: int, recipe: Path | None, override: list[str], device: str | None, out: Path, resume: Path | None
+) -> None:
+    """Replace this process by ``torchrun --standalone --nproc-per-node nproc -m eblvm run ...``."""
+    if "WORLD_SIZE" in os.environ:
+        fail("--nproc-per-node: this process was launched by torchrun already")
+    args = [str(recipe)] if recipe is not None else ["--resume", str(resume)]
+    args += [a for o in override for a in ("-o", o)] + ["--out", str(out)]
+    args += ["--device", device] if device is not None else []
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    sys.stdout.flush()
+    os.execv(sys.executable, [*torchrun, "-m", "eblvm", "run", *args])
 
 
 @app.command()

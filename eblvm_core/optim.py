@@ -11,6 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from eblvm_core import distributed
 from eblvm_core.config import in_range, non_negative, option, positive
 from eblvm_core.contracts import Schedule
 from eblvm_core.hookspecs import hookimpl
@@ -62,12 +63,15 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -> Tensor:
-    """Backward ``loss`` into the optimizer's parameters (if given), clip, and step.
+    """Backward ``loss`` into the optimizer's parameters (if given), average over ranks, clip, and step.
 
     With ``loss`` the gradients of the optimizer's parameters are replaced (zeros where the
-    loss does not reach); a caller that fills ``.grad`` itself passes ``loss=None``. Under
-    fp16 (the optimizer carries a ``grad_scaler``) the loss is scaled, the gradients unscaled,
-    and a step with non-finite gradients skipped. Returns the gradient norm before clipping as
+    loss does not reach); a caller that fills ``.grad`` itself passes ``loss=None``. With a
+    process group (torchrun) the gradients are then averaged over the ranks (bucketed
+    all-reduces), so every rank takes the same step: that of the mean of the ranks' losses;
+    every rank must hand over the same parameters with gradients. Under fp16 (the optimizer
+    carries a ``grad_scaler``) the loss is scaled, the gradients unscaled, and a step with
+    non-finite gradients skipped. Returns the norm of the (averaged) gradient before clipping as
     a 0-d tensor (no host synchronisation) and adds it to the optimizer's running
     ``grad_norm_sum`` / ``grad_norm_count``, which the trainer logs as ``grad_norm/<role>``.
     """
@@ -79,9 +83,14 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -
             p.grad = g if g is not None else torch.zeros_like(p)
     elif scaler is not None:
         raise ValueError("under fp16 apply_update needs the loss, to scale it")
+    with_grad = [p for p in params if p.grad is not None]
+    for p in with_grad:  # fused Adam needs each gradient in its parameter's memory format (channels-last convs)
+        if p.grad.stride() != p.stride():
+            p.grad = torch.empty_like(p).copy_(p.grad)
+    if distributed.active():
+        distributed.average_gradients([p.grad for p in with_grad])
     if scaler is not None:
         scaler.unscale_(optimizer)
-    with_grad = [p for p in params if p.grad is not None]
     max_norm = getattr(optimizer, "max_grad_norm", None)
     if not with_grad:
         norm = torch.zeros(())

@@ -1,5 +1,6 @@
 """The training loop: batches, estimator steps under the run's precision, schedules, EMA,
-logging, evaluation, checkpoints, resume and the NaN guard, the same for every role."""
+logging, evaluation, checkpoints, resume and the NaN guard, the same for every role; under
+torchrun the same loop on every rank, rank 0 alone writing and evaluating."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
+from eblvm_core import distributed
 from eblvm_core.build import Built
 from eblvm_core.data import Batches
 from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
@@ -33,7 +35,12 @@ def best_checkpoint(run_dir: str | Path) -> Path:
 
 
 class Trainer:
-    """Trains ``built`` by ``recipe``; also restores checkpoints for ``eblvm eval`` and ``sample``."""
+    """Trains ``built`` by ``recipe``; also restores checkpoints for ``eblvm eval`` and ``sample``.
+
+    With W processes (torchrun) each rank draws its B/W share of every batch; the parameters
+    start as rank 0's and stay equal, as ``apply_update`` averages every gradient; rank 0 alone
+    logs, evaluates and writes checkpoints (which keep every rank's RNG and estimator state).
+    """
 
     def __init__(self, recipe: Recipe, built: Built, run_dir: Path, echo: Callable[[str], None] = print):
         self.recipe, self.built, self.run_dir, self.echo = recipe, built, Path(run_dir), echo
@@ -41,12 +48,17 @@ class Trainer:
         self.estimator = built.parts.estimator
         self.optimizers: dict[str, torch.optim.Optimizer] = dict(self.estimator.optimizers)
         run = recipe.run
-        self.batches = Batches(self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype)
-        self.ema = {
-            role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
-            for role, spec in recipe.optim.items()
-            if spec.ema is not None
-        }
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        if run.batch_size % self.world:
+            raise ConfigError(
+                "run",
+                "batch_size",
+                f"{run.batch_size} is the global batch and must split evenly among {self.world} processes",
+                file=recipe.path,
+            )
+        self.batches = Batches(
+            self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, self.rank, self.world
+        )
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
@@ -56,6 +68,15 @@ class Trainer:
         self.param_names = {
             role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
             for role, opt in self.optimizers.items()
+        }
+        if self.world > 1:  # every rank starts from rank 0's networks and trained tensors
+            states = [t for net in self.parts.networks().values() for t in net.state_dict().values()]
+            extra = [p for opt in self.optimizers.values() for p in optimizer_params(opt) if id(p) not in names]
+            distributed.broadcast_(states + extra)
+        self.ema = {
+            role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
+            for role, spec in recipe.optim.items()
+            if spec.ema is not None
         }
 
     # ---- checkpoints -------------------------------------------------------------------
@@ -78,14 +99,22 @@ class Trainer:
 
     def restore(self, state: dict[str, Any], training: bool = True) -> None:
         """Load a checkpoint: networks, estimator state and EMA always; with ``training`` also the
-        optimizers, gradient scalers, data position, RNG streams and best value."""
+        optimizers, gradient scalers, data position, RNG streams and best value.
+
+        Each rank takes its own RNG and estimator state (``state["ranks"]``) when the checkpoint
+        was written by as many processes; otherwise every rank takes rank 0's estimator state
+        and ranks > 0 draw fresh streams, seeded from (seed, step, rank).
+        """
         if state.get("format") != CHECKPOINT_FORMAT:
             raise EblvmError(
                 f"checkpoint format {state.get('format', 1)} is not {CHECKPOINT_FORMAT}: it was written by an older eblvm"
             )
         for name, net in self.parts.networks().items():
             net.load_state_dict(state["networks"][name])
-        self.estimator.load_state_dict(state["estimator"])
+        ranks = state.get("ranks")
+        other_world = ranks is None or len(ranks) != self.world
+        own = state if other_world else ranks[self.rank]
+        self.estimator.load_state_dict(own["estimator"])
         for role, values in state["ema"].items():
             self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role])]
         self.step = int(state["step"])
@@ -96,12 +125,20 @@ class Trainer:
             if role in state["scalers"]:
                 opt.grad_scaler.load_state_dict(state["scalers"][role])
         self.batches.load_state_dict(state["data"])
-        ckpt.set_rng_state(state["rng"])
+        ckpt.set_rng_state(own["rng"])
+        if other_world and self.rank:
+            ckpt.seed_everything(distributed.rank_seed(self.recipe.run.seed + self.step, self.rank))
         self.best = state.get("best")
 
     def save(self) -> None:
+        """Write checkpoints/last.pt (rank 0, atomically); with W > 1 it gathers every rank's RNG
+        and estimator state into ``state["ranks"]`` (a collective)."""
+        state = self.state()
+        if self.world > 1:
+            state["ranks"] = distributed.gather({"rng": state["rng"], "estimator": state["estimator"]})
         path = ckpt.last_checkpoint(self.run_dir)
-        ckpt.save_atomic(self.state(), path)
+        if self.rank == 0:
+            ckpt.save_atomic(state, path)
         self.last_saved = (self.step, path)
 
     # ---- EMA ---------------------------------------------------------------------------
@@ -135,6 +172,8 @@ class Trainer:
 
     # ---- logging and evaluation -----------------------------------------------------------
     def record(self, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
+        if self.rank:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps({"step": self.step, **scalars}) + "\n")
         for logger in self.built.loggers:
@@ -143,11 +182,15 @@ class Trainer:
                 logger.log_images(self.step, images)
 
     def evaluate(self) -> dict[str, float]:
-        """Run every evaluator (on EMA weights where enabled) without disturbing the training RNG."""
+        """Run every evaluator (on EMA weights where enabled) without disturbing the training RNG;
+        on rank 0 alone, with collectives off (the other ranks return {} and wait for it at their
+        next collective)."""
+        if self.rank:
+            return {}
         scalars: dict[str, float] = {}
         images: dict[str, Tensor] = {}
         devices = [self.parts.device] if self.parts.device.type == "cuda" else []
-        with self.ema_weights():
+        with self.ema_weights(), distributed.local():
             for name, evaluator in self.built.evaluators:
                 with torch.random.fork_rng(devices=devices):
                     result = evaluator(self.parts)
@@ -209,7 +252,7 @@ class Trainer:
     def fit(self) -> dict[str, float]:
         run = self.recipe.run
         bar = None
-        if sys.stderr.isatty():
+        if self.rank == 0 and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
@@ -232,7 +275,9 @@ class Trainer:
                 if isinstance(loss, Tensor):
                     loss_ok = torch.isfinite(loss.detach()) & loss_ok
                 elif not math.isfinite(loss):
-                    raise self._diverged(f"training loss is {loss}")
+                    if self.world == 1:
+                        raise self._diverged(f"training loss is {loss}")
+                    loss_ok = False  # every rank stops together at the next check
                 for k, v in metrics.items():
                     sums[k] = sums[k] + (v.detach().float() if isinstance(v, Tensor) else float(v))
                 count += 1
@@ -243,11 +288,13 @@ class Trainer:
                 log_now = self.step % run.log_every == 0 or self.step == run.steps
                 save_now = self.step % run.checkpoint_every == 0 or self.step == run.steps
                 if log_now or save_now:
-                    if not bool(loss_ok):
+                    if distributed.any_rank(not bool(loss_ok)):
                         raise self._diverged(f"training loss became non-finite after step {self.step - count}")
                     self.check_parameters()
                 if log_now:
-                    means = {f"train/{k}": float(v) / count for k, v in sums.items()}
+                    keys = list(sums)  # means over every rank's shard
+                    values = distributed.mean_floats([float(sums[k]) / count for k in keys])
+                    means = {f"train/{k}": v for k, v in zip(keys, values)}
                     for role, opt in self.optimizers.items():
                         means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
                         if getattr(opt, "grad_norm_count", 0):
@@ -279,12 +326,14 @@ def run(
     resume: str | Path | None = None,
     echo: Callable[[str], None] = print,
 ) -> tuple[Path, dict[str, float]]:
-    """Train from a recipe (or continue the run in ``resume``); returns (run_dir, final eval)."""
+    """Train from a recipe (or continue the run in ``resume``); returns (run_dir, final eval).
+
+    Under torchrun every process calls it and joins the process group for the run; ranks > 0
+    return an empty evaluation.
+    """
     import secrets
 
-    import tomli_w
-
-    from eblvm_core.build import build, build_loggers, pick_device
+    from eblvm_core.build import pick_device
     from eblvm_core.recipe import load_recipe, with_run
 
     if resume is not None:
@@ -305,18 +354,44 @@ def run(
         raise
     if recipe.run.threads:
         torch.set_num_threads(recipe.run.threads)
+    with distributed.process_group(torch_device) as torch_device:
+        return _train(recipe, torch_device, out, resume, echo)
+
+
+def _train(
+    recipe: Recipe, device: torch.device, out: str | Path, resume: str | Path | None, echo: Callable[[str], None]
+) -> tuple[Path, dict[str, float]]:
+    """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
+    seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone makes the run
+    directory, writes and echoes."""
+    import tomli_w
+
+    from eblvm_core.build import build, build_loggers
+    from eblvm_core.recipe import with_run
+
+    rank, world = distributed.rank(), distributed.world_size()
+    if rank:
+        echo = lambda _message: None  # noqa: E731
+    if world > 1 and resume is None:
+        recipe = with_run(recipe, seed=distributed.broadcast_object(recipe.run.seed))
     ckpt.seed_everything(recipe.run.seed)
-    built = build(recipe, torch_device)
+    built = build(recipe, device)
     if resume is None:
-        run_dir = ckpt.new_run_dir(out, recipe.run.name)
-    (run_dir / "recipe.toml").write_text(tomli_w.dumps(recipe.to_dict()))
-    built.loggers = build_loggers(recipe, run_dir)
+        run_dir = distributed.broadcast_object(ckpt.new_run_dir(out, recipe.run.name) if rank == 0 else None)
+    else:
+        run_dir = Path(resume)
+    if rank == 0:
+        (run_dir / "recipe.toml").write_text(tomli_w.dumps(recipe.to_dict()))
+        built.loggers = build_loggers(recipe, run_dir)
     trainer = Trainer(recipe, built, run_dir, echo)
+    if rank:
+        ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
     if resume is not None:
-        trainer.restore(ckpt.load(ckpt.last_checkpoint(run_dir), map_location=torch_device))
+        trainer.restore(ckpt.load(ckpt.last_checkpoint(run_dir), map_location=device))
         echo(f"resuming {run_dir} at step {trainer.step}")
     else:
-        echo(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {torch_device})")
+        processes = f", {world} processes" if world > 1 else ""
+        echo(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{processes})")
     try:
         results = trainer.fit()
     finally:

@@ -32,6 +32,7 @@ from eblvm_core.bilevel import (
 )
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreField
+from eblvm_core.distributed import mean_over_ranks
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 from eblvm_core.optim import apply_update
@@ -112,6 +113,8 @@ class BiSMUnrolled(BiSM):
     Eq. 13) or steps of a differentiable copy of the posterior's Adam (``unroll="adam"``, the
     released code's choice); θ follows ∂J_Bi(θ, φ_N(θ))/∂θ. N = 0 is the partial derivative
     at φ_K. The unrolled iterates are thrown away: φ keeps its value after the K real steps.
+    With several processes ∂G/∂φ is averaged over the ranks inside the graph, so φ_N(θ) is
+    that of the union of their batches.
     """
 
     def __init__(self, parts: Parts, inner_steps: int, unroll_steps: int, unroll: str, inner_lr: float):
@@ -131,7 +134,7 @@ class BiSMUnrolled(BiSM):
             lower = self.functional.call(params, self.lower, x) if n else self.lower(x)
             if n == 0:
                 lower_at_start = float(lower.detach())
-            params = update(params, grads_or_zeros(lower, list(params.values()), create_graph=True))
+            params = update(params, mean_over_ranks(grads_or_zeros(lower, list(params.values()), create_graph=True)))
         return params, lower_at_start
 
     def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
@@ -149,7 +152,9 @@ class BiSMImplicit(BiSM):
 
     dJ/dθ = ∂_θJ − ∂²_θφG · w with (∂²_φφG + damping·I) w = ∂_φJ, solved by conjugate gradient
     or a truncated Neumann series on Hessian-vector products (double backward over φ).
-    Exact when φ_K is a stationary point of G and the solve converges.
+    Exact when φ_K is a stationary point of G and the solve converges. With several processes
+    the solve sees the Hessian-vector products and ∂_φJ averaged over the ranks, so w is the
+    union's and the same on every rank.
     """
 
     def __init__(self, parts: Parts, inner_steps: int, solve: Callable[..., Any]):
@@ -164,7 +169,9 @@ class BiSMImplicit(BiSM):
         upper = self.upper(x, context)
         partial = grads_or_zeros(upper, self.theta + phi)
         d_theta, d_phi = partial[: len(self.theta)], partial[len(self.theta) :]
-        w, info = self.solve(lambda vec: flat(hvp(grad_phi, phi, unflat(vec, phi))), flat(d_phi))
+        w, info = self.solve(
+            lambda vec: flat(mean_over_ranks(hvp(grad_phi, phi, unflat(vec, phi)))), flat(mean_over_ranks(d_phi))
+        )
         mixed = hvp(grad_phi, self.theta, unflat(w, phi))
         metrics = {
             "loss": float(upper.detach()),

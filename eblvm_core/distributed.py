@@ -1,0 +1,179 @@
+"""Data parallelism on torch.distributed, launched by torchrun: joining the process group,
+averaging gradients over ranks for ``apply_update`` (bucketed), a differentiable mean for
+gradients that are part of a later graph (an unrolled lower-level step), and the few
+collectives the trainer needs.
+
+Without a process group (a plain ``eblvm run``) every helper is the identity and costs one
+``dist.is_initialized()`` check. With one, the helpers are collectives: every rank must call
+them in the same order with tensors of the same shapes. ``docs/distributed.md`` says what holds
+exactly and what in distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: a ResNet-18's float32 gradients travel in two all-reduces
+TIMEOUT = datetime.timedelta(minutes=60)  # ranks > 0 wait this long for rank 0's evaluations and checkpoints
+_local = False  # inside ``local()``: collectives off
+
+
+def active() -> bool:
+    """Whether collectives run: a process group exists and no ``local()`` block is open."""
+    return not _local and dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank in the process group; 0 without one."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """The number of processes in the process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device) -> Iterator[torch.device]:
+    """Under torchrun (``WORLD_SIZE`` in the environment) join the process group for the block and
+    yield this rank's device: NCCL with ``cuda:LOCAL_RANK`` for a CUDA device, gloo on the CPU.
+    Otherwise, or when a process group exists already, yield ``device`` unchanged."""
+    if "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        yield device
+        return
+    if device.type not in ("cpu", "cuda"):
+        from eblvm_core.errors import ConfigError
+
+        raise ConfigError("run", "device", f"several processes need cpu or cuda, not {device.type}")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def local() -> Iterator[None]:
+    """Collectives off within the block, for work one rank does alone (rank 0's evaluators):
+    ``apply_update`` and ``mean_over_ranks`` then act on this rank's gradients only."""
+    global _local
+    saved, _local = _local, True
+    try:
+        yield
+    finally:
+        _local = saved
+
+
+def buckets(tensors: Sequence[Tensor], cap: int = BUCKET_BYTES) -> list[list[Tensor]]:
+    """Runs of consecutive tensors of one dtype and device holding about ``cap`` bytes each (a
+    larger tensor travels alone)."""
+    out: list[list[Tensor]] = []
+    size, key = 0, None
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not out or (t.dtype, t.device) != key or size + nbytes > cap:
+            out.append([])
+            size, key = 0, (t.dtype, t.device)
+        out[-1].append(t)
+        size += nbytes
+    return out
+
+
+def average_gradients(grads: Sequence[Tensor], cap: int = BUCKET_BYTES) -> None:
+    """Replace each tensor by its mean over ranks, in place: one all-reduce (sum, then ÷ W) per
+    bucket of about ``cap`` bytes; NCCL queues them on its stream without a host
+    synchronisation. Needs a process group."""
+    world = dist.get_world_size()
+    for bucket in buckets(grads, cap):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        parts = flat.div_(world).split([g.numel() for g in bucket])
+        torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
+
+
+def mean_over_ranks(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The mean over ranks of each tensor, differentiable: the backward pass all-reduces the
+    incoming gradients too (``torch.distributed.nn``). For gradients inside a later graph, e.g. an
+    unrolled lower-level step φ − α·∂G/∂φ, so that ∂G/∂φ is the gradient of the union of the
+    ranks' batches. ``list(tensors)`` without a process group or inside ``local()``."""
+    if not active():
+        return list(tensors)
+    from torch.distributed.nn.functional import all_reduce
+
+    world = dist.get_world_size()
+    out: list[Tensor] = []
+    for bucket in buckets(tensors, cap=2**62):  # one all-reduce per dtype and device
+        mean = all_reduce(torch.cat([t.reshape(-1) for t in bucket])) / world
+        out += [part.view_as(t) for part, t in zip(mean.split([t.numel() for t in bucket]), bucket)]
+    return out
+
+
+def _device() -> torch.device:
+    """Where this rank's collectives of small values live: NCCL needs the rank's CUDA device."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def mean_floats(values: list[float]) -> list[float]:
+    """The mean over ranks of each value (one all-reduce); ``values`` without a process group."""
+    if not active():
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on some rank."""
+    return mean_floats([float(flag)])[0] > 0
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` (picklable) on every rank; ``obj`` without a process group."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=_device())
+    return box[0]
+
+
+@torch.no_grad()
+def broadcast_(tensors: Sequence[Tensor]) -> None:
+    """Overwrite each tensor with rank 0's, in place. Needs a process group."""
+    for t in tensors:
+        dist.broadcast(t.detach(), src=0)
+
+
+def gather(obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` (its tensors moved to the CPU first), as a list by rank on rank 0 and
+    None on the others. Needs a process group."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(_to_cpu(obj), out, dst=0)
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank ``rank``'s random streams, a function of (seed, rank) only (numpy's SeedSequence)."""
+    return int(np.random.SeedSequence([seed % 2**63, rank]).generate_state(1, np.uint64)[0])
