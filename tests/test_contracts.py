@@ -57,6 +57,31 @@ kind = "dsm"
 kind = "kl"
 """
 
+# BiDVL's three networks on digits, tiny.
+BIDVL_BASE = """
+[run]
+seed = 0
+batch_size = 16
+
+[data]
+kind = "digits"
+scale = "symmetric"
+
+[model]
+kind = "bidvl-energy"
+base = 4
+
+[posterior]
+kind = "gaussian-dcgan"
+base = 4
+latent_dim = 3
+
+[generator]
+kind = "bidvl-generator"
+base = 4
+latent_dim = 3
+"""
+
 # Options that keep a component's check fast; the defaults are sized for real runs.
 SMALL: dict[str, dict[str, dict]] = {
     "estimators": {
@@ -134,6 +159,20 @@ def deep_image_parts() -> Parts:
     )
     parts.model = testing.make("models", "resnet-eblvm", parts, width=4, blocks=1, stages=2, latent_dim=3).double()
     parts.posterior = testing.make("posteriors", "gaussian-conv3", parts, channels=4).double()
+    return parts
+
+
+def bidvl_parts() -> Parts:
+    """BiDVL's three networks (energy, encoder, generator), tiny, on scikit-learn's digits in [−1, 1], float64."""
+    torch.manual_seed(0)
+    parts = Parts(dtype=torch.float64)
+    data = testing.make("datasets", "digits", parts, scale="symmetric")
+    parts.data = attrs.evolve(
+        data, train=data.tensor("train", 64).double(), test=data.tensor("test", 32).double(), prepare=None
+    )
+    parts.model = testing.make("models", "bidvl-energy", parts, base=4).double()
+    parts.posterior = testing.make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3).double()
+    parts.generator = testing.make("generators", "bidvl-generator", parts, base=4, latent_dim=3).double()
     return parts
 
 
@@ -232,7 +271,7 @@ def test_dataset_contract(name):
 @pytest.mark.parametrize("name", names("estimators"))
 def test_estimator_contract(name):
     overrides = [f"estimator.{k}={v}" for k, v in small("estimators", name).items()]
-    metrics = testing.check_estimator(name, BASE, overrides)
+    metrics = testing.check_estimator(name, BIDVL_BASE if name == "bidvl" else BASE, overrides)
     assert "loss" in metrics
 
 
@@ -245,6 +284,7 @@ def test_evaluator_contract(name):
         "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
         "grbm 1×2×2 images": image_grbm_parts,
         "deep EBLVM on digits": deep_image_parts,
+        "BiDVL on digits": bidvl_parts,
     }
     on_first_accepted("evaluators", name, candidates, testing.check_evaluator)
 
@@ -257,7 +297,7 @@ def test_sampler_contract(name):
     on_first_accepted(
         "samplers",
         name,
-        {"tiny grbm": grbm, "deep EBLVM on digits": deep_image_parts},
+        {"tiny grbm": grbm, "deep EBLVM on digits": deep_image_parts, "BiDVL on digits": bidvl_parts},
         lambda sampler, parts: testing.check_sampler(sampler, parts.model, parts.data.shape),
     )
 

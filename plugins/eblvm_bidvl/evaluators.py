@@ -1,0 +1,173 @@
+"""BiDVL's evaluations: test reconstruction through the encoder and the generator, OOD detection
+by the marginal energy, and a sampler that draws G(z), z ~ N(0, I) (for sample grids and FID)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import attrs
+import torch
+from torch import Tensor
+
+from eblvm_core.config import option, positive, structure
+from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, reporting
+from eblvm_core.errors import ConfigError
+from eblvm_core.plugins import registry
+from eblvm_core.registry import NoConfig
+
+
+class GeneratorSampler(Sampler):
+    """v = G(z), z ~ N(0, I): the variational joint's samples (n, *event_shape)."""
+
+    def __init__(self, generator: torch.nn.Module):
+        self.generator = generator
+
+    def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
+        param = next(self.generator.parameters())
+        z = torch.randn(n, self.generator.latent_dim, generator=generator, dtype=param.dtype, device=param.device)
+        training = self.generator.training
+        self.generator.eval()
+        try:
+            with torch.no_grad():
+                return self.generator(z)
+        finally:
+            self.generator.train(training)
+
+
+def build_generator_sampler(cfg: NoConfig, parts: Parts) -> GeneratorSampler:
+    """Samples G(z), z ~ N(0, I), of the recipe's [generator] (BiDVL's variational joint; batch norm in eval mode)."""
+    return GeneratorSampler(parts.need("generator", "sampler"))
+
+
+@attrs.frozen
+class ReconstructionConfig:
+    split: Literal["test", "train", "val"] = option("test", "the split reconstructed")
+    n: int = option(10000, "examples reconstructed (the first n)", positive)
+    batch_size: int = option(500, "examples per pass", positive)
+    images: int = option(32, "originals and reconstructions shown side by side (0 for none)")
+
+
+def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
+    """Root-mean-square error of G(E_q[h|v]) against v per pixel, in the data's units, and an image of reconstructions."""
+    data = parts.need("data", "")
+    parts.need("posterior", "")
+    parts.need("generator", "")
+    if not data.has(cfg.split):
+        raise ConfigError("", "split", f"the data set has no '{cfg.split}' split")
+
+    @reporting([f"{cfg.split}_rmse"])
+    def evaluate(parts: Parts) -> EvalResult:
+        n = min(cfg.n, parts.data.size(cfg.split))
+        total, shown = 0.0, None
+        modules = (parts.posterior, parts.generator)
+        modes = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, n, cfg.batch_size):
+                    v = parts.data.take(cfg.split, torch.arange(start, min(start + cfg.batch_size, n))).to(
+                        parts.device, parts.dtype
+                    )
+                    recon = parts.generator(parts.posterior.mean(v))
+                    total += float((recon - v).square().sum())
+                    if shown is None and cfg.images:
+                        shown = (v[: cfg.images], recon[: cfg.images])
+        finally:
+            for m, mode in zip(modules, modes):
+                m.train(mode)
+        rmse = math.sqrt(total / (n * parts.data.dim))
+        images = {}
+        if shown is not None:
+            from torchvision.utils import make_grid
+
+            low, high = parts.data.bounds[0] if parts.data.bounds else (0.0, 1.0)
+            pairs = torch.stack(shown, 1).flatten(0, 1).float().cpu()  # original, reconstruction, original, ...
+            images["reconstructions"] = make_grid(((pairs - low) / (high - low)).clamp(0, 1), nrow=16, pad_value=1.0)
+        return EvalResult(scalars={f"{cfg.split}_rmse": rmse}, images=images)
+
+    return evaluate
+
+
+@attrs.frozen
+class OODConfig:
+    split: Literal["test", "train", "val"] = option("test", "the in-distribution split")
+    n: int = option(10000, "examples per data set (the first n)", positive)
+    uniform: bool = option(True, "compare with uniform noise over the data's box")
+    against: list[dict[str, Any]] = option(
+        [], 'other data sets, as [data] tables: [{ kind = "cifar10", root = "..." }]; their test splits'
+    )
+    batch_size: int = option(500, "examples per energy evaluation", positive)
+
+
+def auroc(inliers: Tensor, outliers: Tensor) -> float:
+    """Area under the ROC curve of a score that should be higher for inliers (ties count half)."""
+    from sklearn.metrics import roc_auc_score
+
+    labels = torch.cat([torch.ones(len(inliers)), torch.zeros(len(outliers))])
+    return float(roc_auc_score(labels.numpy(), torch.cat([inliers, outliers]).double().numpy()))
+
+
+def build_ood(cfg: OODConfig, parts: Parts):
+    """OOD detection by −E_ψ(v) (or −F(v)): the AUROC of in-distribution test images against uniform noise and other data sets."""
+    data = parts.need("data", "")
+    model = parts.need("model", "")
+    if model.latent is not None and not model.has_free_energy:
+        raise ConfigError(
+            "",
+            "kind",
+            f"ood-auroc scores by the marginal energy: {type(model).__name__} has a latent and no free energy",
+        )
+    if not data.has(cfg.split):
+        raise ConfigError("", "split", f"the data set has no '{cfg.split}' split")
+    others = {}
+    for i, body in enumerate(cfg.against):
+        if not isinstance(body, dict) or "kind" not in body:
+            raise ConfigError(
+                "", f"against.{i}", 'must be a table with a data set kind, e.g. { kind = "cifar10", root = "..." }'
+            )
+        entry = registry("datasets").get(body["kind"], section="")
+        other = entry.factory(
+            structure(entry.config, {k: v for k, v in body.items() if k != "kind"}, f"against.{i}"), parts
+        )
+        if other.shape != data.shape or (other.bounds or [None])[0] != (data.bounds or [None])[0]:
+            raise ConfigError(
+                "",
+                f"against.{i}",
+                f"data set '{body['kind']}' has examples {other.shape} in {(other.bounds or ['?'])[0]}, "
+                f"this one {data.shape} in {(data.bounds or ['?'])[0]}: resize and scale them alike",
+            )
+        others[body["kind"]] = other
+    keys = (["uniform_auroc"] if cfg.uniform else []) + [f"{name}_auroc" for name in others]
+
+    def scores(parts: Parts, n: int, take) -> Tensor:
+        """−E_ψ (n,) of the examples take(start, stop), batch by batch."""
+        out = []
+        with torch.no_grad():
+            for start in range(0, n, cfg.batch_size):
+                v = take(start, min(start + cfg.batch_size, n))
+                v = v.to(parts.device, parts.dtype)
+                model = parts.model
+                energy = model.free_energy(v) if model.has_free_energy else model.energy(v, v.new_zeros(len(v), 0))
+                out.append(-energy.float().cpu())
+        return torch.cat(out)
+
+    @reporting(keys)
+    def evaluate(parts: Parts) -> EvalResult:
+        n = min(cfg.n, parts.data.size(cfg.split))
+        inliers = scores(parts, n, lambda a, b: parts.data.take(cfg.split, torch.arange(a, b)))
+        results = {}
+        if cfg.uniform:
+            low, high = parts.data.bounds[0] if parts.data.bounds else (0.0, 1.0)
+            g = torch.Generator().manual_seed(0)
+            noise = low + (high - low) * torch.rand(n, *parts.data.shape, generator=g)
+            results["uniform_auroc"] = auroc(inliers, scores(parts, n, lambda a, b: noise[a:b]))
+        for name, other in others.items():
+            m = min(cfg.n, other.size("test"))
+            results[f"{name}_auroc"] = auroc(
+                inliers, scores(parts, m, lambda a, b, o=other: o.take("test", torch.arange(a, b)))
+            )
+        return EvalResult(scalars=results)
+
+    return evaluate

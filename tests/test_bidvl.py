@@ -1,0 +1,234 @@
+"""BiDVL: each loss term against a hand computation, the encoder's variance bound, the offset and
+not-offset objectives differing by exactly the paper's terms (on gradients), the hinge form keeping
+energies bounded where the plain form drifts, each role moving only in its own level, and the
+evaluators (reconstruction RMSE, OOD AUROC) against direct computations."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from eblvm_bidvl import gaussian_kl
+from torch.distributions import Normal, kl_divergence
+
+from eblvm_core.contracts import EnergyModel, Parts
+from eblvm_core.optim import optimizer_params
+from eblvm_core.testing import make
+
+F64 = torch.float64
+
+
+class MLPEnergy(EnergyModel):
+    """A plain MLP energy with no spectral norm and no output activation: nothing bounds it."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Flatten(), torch.nn.Linear(d, 32), torch.nn.SiLU(), torch.nn.Linear(32, 1)
+        )
+
+    def energy(self, v, h=None):
+        return self.net(v).squeeze(-1)
+
+
+def tiny_parts(
+    upper: str = "offset", activation: str = "softplus", ratio_bias: str = "none", mlp: bool = False, **estimator
+) -> Parts:
+    """BiDVL on digits (8×8, [−1, 1]) with tiny nets in float64 and SGD at lr 0 (gradients stay in .grad)."""
+    torch.manual_seed(0)
+    parts = Parts(
+        dtype=F64,
+        optimizer_factories={
+            role: (lambda p: torch.optim.SGD(p, lr=0.0)) for role in ("energy", "encoder", "generator")
+        },
+    )
+    data = make("datasets", "digits", parts, scale="symmetric")
+    parts.data = data
+    parts.model = (
+        MLPEnergy(64) if mlp else make("models", "bidvl-energy", parts, base=4, activation=activation)
+    ).double()
+    parts.posterior = make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3).double()
+    parts.generator = make("generators", "bidvl-generator", parts, base=4, latent_dim=3).double()
+    parts.estimator = make("estimators", "bidvl", parts, upper=upper, ratio_bias=ratio_bias, **estimator)
+    return parts
+
+
+def batch(parts: Parts, n: int = 16) -> torch.Tensor:
+    return parts.data.tensor("train", n).double()
+
+
+def grads(parts: Parts, role: str) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in optimizer_params(parts.estimator.optimizers[role])])
+
+
+def test_gaussian_kl_matches_torch():
+    mu, log_std = torch.randn(5, 3, dtype=F64), 0.3 * torch.randn(5, 3, dtype=F64)
+    expected = kl_divergence(Normal(mu, log_std.exp()), Normal(torch.zeros_like(mu), torch.ones_like(mu))).sum(-1)
+    torch.testing.assert_close(gaussian_kl(mu, log_std), expected)
+
+
+def test_the_encoders_variance_stays_below_one():
+    parts = tiny_parts()
+    encoder = parts.posterior
+    with torch.no_grad():
+        encoder.head.bias[3:] = torch.tensor([-50.0, 0.0, 50.0], dtype=F64)  # raw log-variances far apart
+    _, log_std = encoder.params(batch(parts))
+    assert (log_std < 0).all()  # log σ² = −softplus(raw) < 0 whatever the raw output
+    assert (log_std[:, 0] > -1e-12).all() and (log_std[:, 2] < -20).all()  # σ → 1 from below, and small
+
+
+def test_the_vae_term_and_the_latent_reconstruction_by_hand():
+    parts = tiny_parts(ratio=0.05)
+    est, v = parts.estimator, batch(parts)
+    torch.manual_seed(1)
+    vae, error = est.vae_loss(v)
+    torch.manual_seed(1)
+    mu, log_std = parts.posterior.params(v)
+    h = mu + log_std.exp() * torch.randn_like(mu)
+    recon = ((parts.generator(h) - v) ** 2).sum((1, 2, 3))
+    kl = 0.5 * (mu**2 + (2 * log_std).exp() - 1 - 2 * log_std).sum(-1)
+    torch.testing.assert_close(vae, 0.05 * (recon + kl))
+    torch.testing.assert_close(error, recon)
+    z = torch.randn(7, 3, dtype=F64)
+    expected = ((parts.posterior.mean(parts.generator(z)) - z) ** 2).sum(-1) / 3  # λ = 1/m
+    torch.testing.assert_close(est.latent_reconstruction(z, through_encoder=True), expected)
+
+
+def test_the_sigmoid_bias_term_weights_lower_energy_points_more():
+    parts = tiny_parts(ratio_bias="sigmoid", ratio=0.1)
+    parts.model.eval()  # spectral norm's power iteration runs in training mode only: the energy is then a fixed function
+    v = batch(parts)
+    e = parts.model.energy(v)
+    torch.testing.assert_close(parts.estimator.weights(v), 0.1 * torch.sigmoid(e.mean() - e).detach())
+
+
+def run_lower(upper: str) -> Parts:
+    parts = tiny_parts(upper)
+    torch.manual_seed(2)
+    parts.estimator.lower_step(batch(parts))
+    return parts
+
+
+def test_offset_and_not_offset_lower_levels_differ_by_the_latent_reconstruction_in_the_encoder():
+    """Eq. 11 vs Eq. 13: the encoder's lower-level gradient differs by exactly ∇_ω1 λ‖μ(G(z)) − z‖²;
+    the generator's does not differ."""
+    offset, full = run_lower("offset"), run_lower("not-offset")
+    torch.testing.assert_close(grads(offset, "generator"), grads(full, "generator"))
+    # the difference, computed on its own with the same draws
+    parts = tiny_parts("offset")
+    torch.manual_seed(2)
+    v = batch(parts)
+    parts.estimator.vae_loss(v)  # consume the same random numbers as lower_step before z
+    z = parts.estimator.prior(len(v), v)
+    term = parts.estimator.latent_reconstruction(z, through_encoder=True).mean()
+    expected = torch.cat(
+        [
+            g.flatten()
+            for g in torch.autograd.grad(
+                term, optimizer_params(parts.estimator.optimizers["encoder"]), allow_unused=True
+            )
+        ]
+    )
+    torch.testing.assert_close(grads(full, "encoder") - grads(offset, "encoder"), expected)
+    assert expected.abs().max() > 1e-6  # the term is not empty
+
+
+def test_not_offset_upper_level_adds_the_encoders_kl_on_generated_samples():
+    results = {}
+    for upper in ("offset", "not-offset"):
+        parts = tiny_parts(upper)
+        for p in optimizer_params(parts.estimator.optimizers["encoder"]):
+            p.grad = torch.zeros_like(p)
+        torch.manual_seed(3)
+        parts.estimator.upper_step(batch(parts))
+        results[upper] = (grads(parts, "energy"), grads(parts, "encoder"), parts)
+    torch.testing.assert_close(results["offset"][0], results["not-offset"][0])  # ψ: Eq. 12 = Eq. 14
+    assert results["offset"][1].abs().max() == 0  # offset: the encoder does not move in the upper level
+    parts = results["not-offset"][2]
+    torch.manual_seed(3)
+    z = parts.estimator.prior(16, batch(parts))
+    with torch.no_grad():
+        generated = parts.generator(z)
+    mu, log_std = parts.posterior.params(generated)
+    expected = torch.autograd.grad(
+        gaussian_kl(mu, log_std).mean() / 3, optimizer_params(parts.estimator.optimizers["encoder"])
+    )
+    torch.testing.assert_close(results["not-offset"][1], torch.cat([g.flatten() for g in expected]))
+
+
+@pytest.mark.parametrize(
+    "upper, moved_by_upper", [("offset", {"energy"}), ("not-offset", {"energy", "encoder"}), ("hinge", {"energy"})]
+)
+def test_each_role_moves_only_in_its_own_level(upper, moved_by_upper):
+    parts = tiny_parts(upper)
+    for opt in parts.estimator.optimizers.values():
+        for group in opt.param_groups:
+            group["lr"] = 1e-2
+    est, v = parts.estimator, batch(parts)
+
+    def snapshot():
+        return {role: [p.detach().clone() for p in optimizer_params(opt)] for role, opt in est.optimizers.items()}
+
+    def moved(before):
+        return {
+            role
+            for role, ps in before.items()
+            if any(not torch.equal(a, b) for a, b in zip(ps, optimizer_params(est.optimizers[role])))
+        }
+
+    before = snapshot()
+    est.lower_step(v)
+    assert moved(before) == {"encoder", "generator"}
+    before = snapshot()
+    est.upper_step(v)
+    assert moved(before) == moved_by_upper
+
+
+def test_hinge_keeps_energies_bounded_where_the_plain_form_drifts():
+    """With an unbounded energy (a plain MLP, no spectral norm, no softplus) learning faster than the
+    generator, the offset upper level keeps pushing E down on data and up on samples and the energies
+    run away; the hinge form (Eq. 23) stops pushing once E(data) < −1 and E(samples) > 1."""
+    ends = {}
+    for upper in ("offset", "hinge"):
+        parts = tiny_parts(upper, mlp=True)
+        for role, opt in parts.estimator.optimizers.items():
+            for group in opt.param_groups:
+                group["lr"] = 0.2 if role == "energy" else 0.02
+        v = batch(parts, 64)
+        for _ in range(120):
+            metrics = parts.estimator.step(v)
+        ends[upper] = (float(metrics["energy_data"]), float(metrics["energy_generated"]))
+    assert any(not math.isfinite(e) or abs(e) > 100 for e in ends["offset"])  # ran away
+    assert all(-3 < e < 3 for e in ends["hinge"])
+
+
+def test_reconstruction_and_ood_evaluators_against_direct_computations():
+    parts = tiny_parts()
+    rmse = make("evaluators", "reconstruction", parts, n=40, batch_size=15)(parts)
+    v = parts.data.tensor("test", 40).double()
+    with torch.no_grad():
+        parts.posterior.eval(), parts.generator.eval()
+        expected = float(((parts.generator(parts.posterior.mean(v)) - v) ** 2).mean().sqrt())
+    assert rmse.scalars["test_rmse"] == pytest.approx(expected, rel=1e-9)
+    assert rmse.images["reconstructions"].shape[0] == 3
+    from eblvm_bidvl import auroc
+
+    assert auroc(torch.tensor([3.0, 4.0]), torch.tensor([1.0, 2.0])) == 1.0
+    assert auroc(torch.tensor([1.0, 4.0]), torch.tensor([2.0, 3.0])) == 0.5
+    ood = make(
+        "evaluators", "ood-auroc", parts, n=50, against=[{"kind": "digits", "split_seed": 1, "scale": "symmetric"}]
+    )(parts).scalars
+    assert set(ood) == {"uniform_auroc", "digits_auroc"} and 0 <= ood["uniform_auroc"] <= 1
+    assert abs(ood["digits_auroc"] - 0.5) < 0.2  # the same data set, re-split: nearly indistinguishable
+
+
+def test_bidvl_refuses_mismatched_parts():
+    from eblvm_core.errors import ConfigError
+
+    parts = tiny_parts()
+    other = copy.copy(parts)
+    other = parts.evolve(generator=make("generators", "bidvl-generator", parts, base=4, latent_dim=5))
+    with pytest.raises(ConfigError, match="must equal the encoder's"):
+        make("estimators", "bidvl", other)
