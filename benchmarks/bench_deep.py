@@ -34,6 +34,8 @@ CASES = [
     ("BiMDSM (K=5, N=0), fp32", "cifar10_bimdsm.toml", []),
     ("BiMDSM (K=5, N=0), fp32, channels-first", "cifar10_bimdsm.toml", ["model.channels_last=false"]),
     ("VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32", "cifar10_vagesmdsm.toml", []),
+    ("BiDVL, conv nets (N=1), fp32", "cifar10_bidvl.toml", []),
+    ("BiDVL, SNGAN ResNets, hinge (N=1), fp32", "cifar10_bidvl_resnet.toml", []),
 ]
 
 

@@ -17,3 +17,5 @@ echo "== CUDA tests"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25
 echo "== deep-model benchmark"
 timeout 240 python3 benchmarks/bench_deep.py --steps 20 --warmup 5 --out "$out/bench_deep.md"
+echo "== one-GPU torchrun against a plain run (cifar10_bimdsm)"
+timeout 200 bash benchmarks/torchrun_check.sh

@@ -116,3 +116,10 @@ def test_three_roles_train_on_cuda(tmp_path, monkeypatch, precision):
         recipe, [f'run.precision="{precision}"'], device="cuda", out=tmp_path / "runs", echo=lambda _: None
     )
     assert math.isfinite(results["eval/generator-norm/norm"])
+
+
+@pytest.mark.parametrize("recipe", ["digits_bidvl.toml", "digits_bimdsm.toml"])
+def test_the_digits_recipes_train_on_cuda(recipe, tmp_path):
+    overrides = ["run.steps=20", "run.log_every=10", "run.eval_every=0"]
+    _, results = run(RECIPES / recipe, overrides, device="cuda", out=tmp_path, echo=lambda _: None)
+    assert all(math.isfinite(value) for value in results.values()), results

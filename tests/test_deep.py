@@ -449,3 +449,18 @@ def test_the_real_inception_network_when_installed():
     with torch.no_grad():
         features = network(inception_input(images, 0.0, 1.0))
     assert features.shape == (2, 2048) and torch.isfinite(features).all() and (features >= 0).all()  # pool of ReLUs
+
+
+def test_svhn_from_mat_files(tmp_path):
+    import scipy.io
+
+    rng = np.random.default_rng(3)
+    for split, n in (("train", 6), ("test", 3)):
+        x = rng.integers(0, 256, (32, 32, 3, n), dtype=np.uint8)
+        scipy.io.savemat(
+            tmp_path / f"{split}_32x32.mat",
+            {"X": x, "y": np.arange(1, n + 1).reshape(-1, 1) % 10 + (np.arange(n) == 0).reshape(-1, 1) * 9},
+        )
+    data = make("datasets", "svhn", Parts(), root=str(tmp_path))
+    check_dataset(data)
+    assert data.shape == (3, 32, 32) and data.size("test") == 3 and data.labels["train"][0] == 0  # label 10 means 0

@@ -1,10 +1,21 @@
-"""Image data sets: Frey face (the GRBM experiments), MNIST, CIFAR-10, CelebA and scikit-learn's
-digits (the deep-EBLVM experiments), and folders of image files."""
+"""Image data sets: Frey face (the GRBM experiments), MNIST, CIFAR-10, CelebA, SVHN and
+scikit-learn's digits (the deep-EBLVM and BiDVL experiments), and folders of image files."""
 
 from eblvm_core.hookspecs import hookimpl
 from eblvm_images.folder import ImageFolderConfig, image_folder
 from eblvm_images.freyface import FreyFaceConfig, freyface
-from eblvm_images.standard import CelebAConfig, CIFAR10Config, DigitsConfig, MNISTConfig, celeba, cifar10, digits, mnist
+from eblvm_images.standard import (
+    CelebAConfig,
+    CIFAR10Config,
+    DigitsConfig,
+    MNISTConfig,
+    SVHNConfig,
+    celeba,
+    cifar10,
+    digits,
+    mnist,
+    svhn,
+)
 
 __all__ = ["FreyFaceConfig", "ImageFolderConfig", "freyface", "image_folder"]
 
@@ -17,3 +28,4 @@ def register_datasets(register):
     register("mnist", mnist, MNISTConfig)
     register("cifar10", cifar10, CIFAR10Config)
     register("celeba", celeba, CelebAConfig)
+    register("svhn", svhn, SVHNConfig)

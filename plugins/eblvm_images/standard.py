@@ -209,6 +209,41 @@ def cifar10(cfg: CIFAR10Config, parts: Parts) -> DataSplits:
     return in_memory(train, torch.from_numpy(np.ascontiguousarray(x_test)), labels, cfg, val)
 
 
+# ---- SVHN --------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class SVHNConfig(ImageOptions):
+    root: str = option(
+        help="folder holding train_32x32.mat and test_32x32.mat (the cropped-digits format)", kw_only=True
+    )
+    download: bool = option(False, "download the files into root with torchvision when absent")
+
+
+def svhn(cfg: SVHNConfig, parts: Parts) -> DataSplits:
+    """SVHN cropped digits (73,257 train + 26,032 test colour 32×32 images) from its .mat files (an OOD set for CIFAR-10)."""
+    import scipy.io
+
+    root = Path(cfg.root).expanduser()
+    files = {split: root / f"{split}_32x32.mat" for split in ("train", "test")}
+    if not all(f.is_file() for f in files.values()) and cfg.download and not parts.dry_run:
+        from torchvision.datasets import SVHN
+
+        for split in files:
+            SVHN(str(root), split=split, download=True)
+    missing = [str(f) for f in files.values() if not f.is_file()]
+    if missing:
+        return stand_in_or_fail(parts, f"{missing[0]} not found (or set download = true)", (3, 32, 32), cfg)
+    splits, labels = {}, {}
+    for split, path in files.items():
+        content = scipy.io.loadmat(str(path))
+        if "X" not in content or content["X"].shape[:3] != (32, 32, 3):
+            raise ConfigError("", "root", f"{path}: expected a variable X of shape (32, 32, 3, N)")
+        splits[split] = torch.from_numpy(np.ascontiguousarray(content["X"].transpose(3, 2, 0, 1)))
+        labels[split] = torch.from_numpy(content["y"].astype(np.int64).flatten() % 10)  # the file labels 0 as 10
+    return in_memory(splits["train"], splits["test"], labels, cfg)
+
+
 # ---- CelebA ------------------------------------------------------------------------------------
 
 
