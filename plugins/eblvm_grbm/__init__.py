@@ -3,7 +3,7 @@
 from eblvm_core.hookspecs import hookimpl
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
-from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
+from eblvm_grbm.evaluators import ExactLoglikConfig, PosteriorKLConfig, build_exact_loglik, build_posterior_kl
 from eblvm_grbm.fisher import ScoreLossConfig, build_score_loss
 from eblvm_grbm.gibbs import GibbsConfig, build_gibbs
 from eblvm_grbm.model import GRBM, GRBMConfig, build_grbm
@@ -21,6 +21,7 @@ def register_evaluators(register):
     register("exact-loglik", build_exact_loglik, ExactLoglikConfig)
     register("ais-loglik", build_ais_loglik, AISLoglikConfig)
     register("score-loss", build_score_loss, ScoreLossConfig)
+    register("posterior-kl", build_posterior_kl, PosteriorKLConfig)
 
 
 @hookimpl

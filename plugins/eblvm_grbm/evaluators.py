@@ -53,3 +53,39 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
         return EvalResult(scalars={key: total / len(v)})
 
     return evaluate
+
+
+@attrs.frozen
+class PosteriorKLConfig:
+    split: Literal["test", "train", "val"] = option("test", "data split to average the divergence over")
+    n: int = option(1000, "points averaged (the first n of the split)", positive)
+
+
+def bernoulli_kl(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(q) ‖ Bern(p)) summed over the last dimension, from probabilities (..., m) -> (...)."""
+    q, p = q.clamp(1e-12, 1 - 1e-12), p.clamp(1e-12, 1 - 1e-12)
+    return (q * (q / p).log() + (1 - q) * ((1 - q) / (1 - p)).log()).sum(-1)
+
+
+def build_posterior_kl(cfg: PosteriorKLConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+    """Exact KL(q(h|v) ‖ p(h|v)) of a factorised Bernoulli posterior against a GRBM's, which factorises too: how good q is."""
+    from eblvm_grbm.gibbs import require_grbm
+
+    require_grbm(parts.need("model", ""), "", "posterior-kl")
+    posterior = parts.need("posterior", "")
+    if not hasattr(posterior, "logits"):
+        raise ConfigError(
+            "", "kind", f"posterior-kl needs a factorised Bernoulli posterior (logits); got {type(posterior).__name__}"
+        )
+    if not parts.need("data", "").has(cfg.split):
+        raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
+
+    @reporting([f"{cfg.split}_posterior_kl", f"{cfg.split}_posterior_kl_stderr"])
+    def evaluate(parts: Parts) -> EvalResult:
+        """Mean over points of Σ_j KL(Bern(σ(l_j(v))) ‖ Bern(σ(c_j + (Uᵀv)_j))), in nats, and its standard error."""
+        v = parts.data.tensor(cfg.split, cfg.n)
+        with torch.no_grad():
+            values = bernoulli_kl(torch.sigmoid(parts.posterior.logits(v)), torch.sigmoid(parts.model.hidden_logits(v)))
+        return EvalResult.mean_over_points(f"{cfg.split}_posterior_kl", values)
+
+    return evaluate
