@@ -464,3 +464,16 @@ def test_svhn_from_mat_files(tmp_path):
     data = make("datasets", "svhn", Parts(), root=str(tmp_path))
     check_dataset(data)
     assert data.shape == (3, 32, 32) and data.size("test") == 3 and data.labels["train"][0] == 0  # label 10 means 0
+
+
+def test_fid_with_fewer_data_images_than_n(monkeypatch, tmp_path):
+    import eblvm_metrics.fid as fid_module
+
+    monkeypatch.setattr(fid_module, "load_inception", lambda device: StandIn())
+    monkeypatch.setattr(fid_module.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    parts = image_parts((1, 8, 8), 7)  # 7 data images, 12 samples
+    parts.model = GaussianEnergy(4.0, 0.5)
+    options = {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2}
+    evaluate = make("evaluators", "fid", parts, n=12, batch_size=5, sampler_options=options)
+    assert math.isfinite(evaluate(parts).scalars["fid"])

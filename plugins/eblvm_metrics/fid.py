@@ -101,14 +101,16 @@ class FID:
         self.cfg, self.sampler, self.data_key = cfg, sampler, data_key
         self.network: nn.Module | None = None
 
-    def features(self, images: Callable[[int, int], Tensor], device: torch.device, low: float, high: float) -> Tensor:
+    def features(
+        self, images: Callable[[int, int], Tensor], n: int, device: torch.device, low: float, high: float
+    ) -> Tensor:
         """Inception features (n, 2048) of the images ``images(start, stop)``, batch by batch."""
         if self.network is None:
             self.network = load_inception(device)
         out = []
         with torch.no_grad():
-            for start in range(0, self.cfg.n, self.cfg.batch_size):
-                batch = images(start, min(start + self.cfg.batch_size, self.cfg.n)).to(device)
+            for start in range(0, n, self.cfg.batch_size):
+                batch = images(start, min(start + self.cfg.batch_size, n)).to(device)
                 out.append(self.network(inception_input(batch, low, high)).flatten(1).double().cpu())
         return torch.cat(out)
 
@@ -123,9 +125,8 @@ class FID:
             print(
                 f"eblvm: fid: the {self.cfg.split} split has {n} images, fewer than n = {self.cfg.n}", file=sys.stderr
             )
-        order = torch.arange(n)
         mu, cov = statistics(
-            self.features(lambda a, b: data.take(self.cfg.split, order[a:b]), parts.device, low, high)[:n]
+            self.features(lambda a, b: data.take(self.cfg.split, torch.arange(a, b)), n, parts.device, low, high)
         )
         if cache is not None:
             from eblvm_core.checkpoint import save_atomic
@@ -138,13 +139,11 @@ class FID:
         low, high = bounds[0] if bounds else (0.0, 1.0)
         mu_data, cov_data = self.data_statistics(parts, low, high)
         generator = torch.Generator(device=parts.device).manual_seed(self.cfg.seed)
-        samples: list[Tensor] = []
 
         def draw(start: int, stop: int) -> Tensor:
-            samples.append(self.sampler.sample(parts.model, stop - start, generator).detach())
-            return samples[-1]
+            return self.sampler.sample(parts.model, stop - start, generator).detach()
 
-        mu, cov = statistics(self.features(draw, parts.device, low, high))
+        mu, cov = statistics(self.features(draw, self.cfg.n, parts.device, low, high))
         return EvalResult(scalars={"fid": frechet_distance(mu, cov, mu_data, cov_data)})
 
 
