@@ -29,17 +29,17 @@ class EpochOrder:
     def __init__(self, n: int, seed: int):
         self.n, self.seed = n, seed
         self._generator = torch.Generator().manual_seed(seed)
-        self._next_epoch = 0
+        self._epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 
     def __call__(self, epoch: int) -> Tensor:
-        if epoch < self._next_epoch:
+        """The order of ``epoch``: cached, drawn next, or replayed from the seed for an earlier epoch."""
+        if epoch < self._epoch:
             self._generator.manual_seed(self.seed)
-            self._next_epoch = 0
-        while True:
-            order = torch.randperm(self.n, generator=self._generator)
-            self._next_epoch += 1
-            if self._next_epoch > epoch:
-                return order
+            self._epoch = -1
+        while self._epoch < epoch:
+            self._order = torch.randperm(self.n, generator=self._generator)
+            self._epoch += 1
+        return self._order
 
 
 class Shards:
