@@ -22,7 +22,9 @@ class GRBMConfig:
     init_weight_std: float = option(0.1, "standard deviation of the initial W entries", positive)
     learn_sigma: bool = option(True, "learn log σ (else it stays at init_sigma)")
     coupling: Literal["scaled", "plain"] = option(
-        "scaled", "'scaled': −vᵀWh/σ (the BiSM paper's formula); 'plain': −vᵀWh (the papers' released code)"
+        "plain",
+        "'plain': −vᵀWh, the papers' released code and every bundled recipe (so docs/results.md's numbers are "
+        "this model's); 'scaled': −vᵀWh/σ, the BiSM paper's formula",
     )
 
 
