@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
-from eblvm_core.errors import ConfigError
+from eblvm_core.errors import ConfigError, DataError
 from eblvm_core.recipe import Recipe, Role, Section
 from eblvm_core.registry import did_you_mean
 
@@ -43,12 +43,37 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")
+
+
+def _suspect_key(config: Any) -> str | None:
+    """The integer option most likely to be the size that failed: a negative one, else the largest."""
+    sizes = []
+    for field in attrs.fields(type(config)) if attrs.has(type(config)) else ():
+        value = getattr(config, field.name)
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                sizes.append((item < 0, abs(item), field.name))
+    return max(sizes)[2] if sizes else None
+
+
 def _make(section: Section, *args: Any) -> Any:
+    """``factory(config, *args)``; its ConfigErrors and DataErrors name ``section``, and sizes
+    that torch cannot allocate (overflowing, negative, beyond memory) are a ConfigError too."""
     try:
         return section.entry.factory(section.config, *args)
     except ConfigError as exc:
         exc.section = exc.section or section.label
         raise
+    except DataError as exc:
+        raise ConfigError(section.label, exc.key, str(exc)) from None
+    except (RuntimeError, MemoryError, OverflowError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, RuntimeError) and not any(marker in message for marker in TOO_LARGE):
+            raise
+        raise ConfigError(
+            section.label, _suspect_key(section.config), f"cannot be built at this size: {message}"
+        ) from None
 
 
 def _place(data: DataSplits, device: torch.device, dtype: torch.dtype) -> DataSplits:
@@ -136,6 +161,7 @@ def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry
     dtype = getattr(torch, recipe.run.dtype)
     parts = Parts(device=device, dtype=dtype, run_dir=run_dir, dry_run=dry_run)
     parts.strict_roles = True
+    parts.batch_size = recipe.run.batch_size
     try:
         pick_device(recipe.run.device)
         for label, section in recipe.parts.items():

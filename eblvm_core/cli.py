@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from eblvm_core.errors import EblvmError, TrainingDiverged
+from eblvm_core.errors import EblvmError
 
 app = typer.Typer(
     add_completion=False,
@@ -27,13 +27,14 @@ def fail(message: str, code: int = 2) -> None:
 
 
 def guarded(fn: Callable[[], None]) -> None:
-    """Run ``fn``; user-facing errors become one line on stderr and a non-zero exit."""
+    """Run ``fn``; user-facing errors become one line on stderr and their exit code (2: a wrong
+    recipe, override or file; 3: diverged; 130: interrupted; 1: the file system refused)."""
     try:
         fn()
-    except TrainingDiverged as exc:
-        fail(str(exc), code=3)
     except EblvmError as exc:
-        fail(str(exc))
+        fail(str(exc), code=exc.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted", code=130)
 
 
 @app.command()
@@ -236,18 +237,26 @@ def compare(
 def main() -> None:
     """The ``eblvm`` entry point. Plugins (and torch) load only for commands that need them, so
     ``eblvm --help`` and ``eblvm <command> --help`` start fast; a plugin command that would
-    shadow a built-in one is refused."""
+    shadow a built-in one, or one another plugin registered first, is refused."""
     builtin = {command.name or command.callback.__name__ for command in app.registered_commands}
     command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
     if command is not None and command not in builtin:
         from eblvm_core.plugins import load
 
+        owners: dict[str, str] = {}
         for name, fn, plugin in load().commands:
             if name in builtin:
                 typer.echo(
                     f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True
                 )
+            elif name in owners:
+                typer.echo(
+                    f"eblvm: plugin '{plugin}' registers a command '{name}', which plugin '{owners[name]}' "
+                    "registered first; ignored",
+                    err=True,
+                )
             else:
+                owners[name] = plugin
                 app.command(name)(fn)
     app()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -21,13 +22,17 @@ def option(default: Any = attrs.NOTHING, help: str = "", validator: Any = None, 
 
 
 def positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"must be > 0, got {value}")
+    """Validator for value > 0; for a list, every item (``[64, 64]`` widths)."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if item is not None and not item > 0:
+            raise ValueError(f"must be > 0, got {value}")
 
 
 def non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not value >= 0:
-        raise ValueError(f"must be >= 0, got {value}")
+    """Validator for value >= 0; for a list, every item."""
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if item is not None and not item >= 0:
+            raise ValueError(f"must be >= 0, got {value}")
 
 
 def in_range(low: float, high: float):
@@ -46,8 +51,15 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+INT_LIMIT = 2**63  # torch and the OS take 64-bit signed integers
+
+
 def coerce(value: Any, tp: Any) -> Any:
-    """Check ``value`` (from TOML) against the annotation ``tp``; ints widen to floats only."""
+    """Check ``value`` (from TOML) against the annotation ``tp``; ints widen to floats only.
+
+    Integers must fit in 64 bits (|n| < 2^63), floats must be finite and strings hold no NUL
+    byte: nothing downstream (torch, the OS) accepts otherwise.
+    """
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
         return value
@@ -73,12 +85,18 @@ def coerce(value: Any, tp: Any) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not -INT_LIMIT <= value < INT_LIMIT:
+                raise ValueError(f"must fit in 64 bits (|n| < 2^63), got {value}")
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ValueError(f"must be a finite number, got {value}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
+            if "\x00" in value:
+                raise ValueError(f"must not contain a NUL byte, got {value!r}")
             return value
     elif origin in (list, tuple) or tp in (list, tuple):
         if isinstance(value, (list, tuple)):

@@ -349,6 +349,7 @@ class Parts:
         self.device, self.dtype, self.run_dir, self.dry_run = device, dtype, run_dir, dry_run
         self.optimizer_factories = dict(optimizer_factories or {})
         self.strict_roles = False  # set by the builder: a role without [optim.<role>] is then an error
+        self.batch_size: int | None = None  # set by the builder: [run] batch_size, the global batch
         self.missing_roles: list[str] = []
         self.warnings: list[str] = []
         self.components: dict[str, Any] = dict(components)

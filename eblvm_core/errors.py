@@ -1,4 +1,6 @@
-"""Errors a user can act on; the CLI prints them as one line and exits with code 2."""
+"""Errors a user can act on; the CLI prints them as one line and exits with the error's
+``exit_code``: 2 for a wrong recipe, override or file given (the default), 3 when training
+diverged, 130 when interrupted, 1 when the file system refused a write."""
 
 from __future__ import annotations
 
@@ -6,25 +8,53 @@ from __future__ import annotations
 class EblvmError(Exception):
     """Base of errors shown to the user without a traceback."""
 
+    exit_code = 2
+
 
 class ConfigError(EblvmError):
-    """A recipe value is wrong. ``file`` is filled in by the recipe loader when known."""
+    """A recipe value is wrong. ``file`` is filled in by the recipe loader when known.
+
+    Printed as ``file: [section] key: message``, leaving out what is unknown.
+    """
 
     def __init__(self, section: str, key: str | None, message: str, file: str | None = None):
         super().__init__(message)
         self.section, self.key, self.message, self.file = section, key, message, file
 
     def __str__(self) -> str:
-        where = f"[{self.section}]" if self.section else ""
-        if self.key:
-            where += f" {self.key}"
-        prefix = f"{self.file}: " if self.file else ""
-        return f"{prefix}{where}: {self.message}".strip()
+        where = " ".join(filter(None, [f"[{self.section}]" if self.section else "", self.key or ""]))
+        return ": ".join(filter(None, [self.file or "", where, self.message]))
 
 
 class DataError(EblvmError):
-    """A dataset file or folder is missing or malformed."""
+    """A dataset file or folder is missing or malformed; ``key`` is the [data] key that points at it."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+class CheckpointError(EblvmError):
+    """A checkpoint file is missing, corrupt or belongs to another recipe: ``file: message``."""
+
+    def __init__(self, file: str, message: str):
+        super().__init__(f"{file}: {message}")
+        self.file = file
 
 
 class TrainingDiverged(EblvmError):
-    """The loss became NaN or infinite; the run stopped."""
+    """A loss, a parameter or an evaluation became NaN or infinite; the run stopped."""
+
+    exit_code = 3
+
+
+class Interrupted(EblvmError):
+    """Ctrl-C or SIGTERM: the run wrote a checkpoint and stopped."""
+
+    exit_code = 130
+
+
+class FileSystemError(EblvmError):
+    """The run directory could not be written (read-only, full, missing permissions)."""
+
+    exit_code = 1

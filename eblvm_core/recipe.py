@@ -23,6 +23,17 @@ def _device(_inst: Any, _attr: Any, value: str) -> None:
         raise ValueError(f"must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
 
 
+def _run_name(_inst: Any, _attr: Any, value: str) -> None:
+    """A run name is one folder inside ``--out``: never a path that leaves it."""
+    if not value or value in (".", "..") or "/" in value or "\\" in value or Path(value).is_absolute():
+        raise ValueError(f"must be a plain folder name (no '/', '\\', '..' or absolute path), got {value!r}")
+
+
+def _seed(_inst: Any, _attr: Any, value: int | None) -> None:
+    if value is not None and not 0 <= value < 2**63:
+        raise ValueError(f"must be in [0, 2^63), got {value}")
+
+
 def _ema(_inst: Any, _attr: Any, value: float | None) -> None:
     if value is not None and not 0.0 < value < 1.0:
         raise ValueError(f"must be in (0, 1), got {value}")
@@ -32,8 +43,8 @@ def _ema(_inst: Any, _attr: Any, value: float | None) -> None:
 class RunConfig:
     """The [run] section: schedule, seed, device and intervals (in optimizer steps)."""
 
-    name: str = option("run", "run name; the run directory is <out>/<name>/<timestamp>")
-    seed: int | None = option(None, "random seed; chosen at random and written back when absent")
+    name: str = option("run", "run name; the run directory is <out>/<name>/<timestamp>", _run_name)
+    seed: int | None = option(None, "random seed in [0, 2^63); chosen at random and written back when absent", _seed)
     steps: int = option(1000, "number of training steps", positive)
     batch_size: int = option(100, "mini-batch size", positive)
     device: str = option("auto", "auto (cuda when available), cpu, cuda, cuda:N or mps", _device)
@@ -141,11 +152,17 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
         elif isinstance(node, dict):
             if key not in node and i == 0 and key not in TOP_LEVEL:
                 raise ConfigError(key, None, f"override '{override}': unknown section{did_you_mean(key, TOP_LEVEL)}")
+            if key not in node and keys[0] == "optim" and i == 1:  # an override never adds a role
+                hint = did_you_mean(key, list(node))
+                raise ConfigError(f"optim.{key}", None, f"override '{override}': the recipe has no such role{hint}")
             node = node.setdefault(key, {})
         else:
-            raise ConfigError(where, None, f"override '{override}': not a section")
+            raise ConfigError(
+                ".".join(keys[: i - 1]), keys[i - 1], f"override '{override}': a value, not a section holding '{key}'"
+            )
     if not isinstance(node, dict):
-        raise ConfigError(".".join(keys[:-1]), keys[-1], f"override '{override}': not a section")
+        section, key = ".".join(keys[:-2]), keys[-2]
+        raise ConfigError(section, key, f"override '{override}': a value, not a section holding '{keys[-1]}'")
     node[keys[-1]] = parse_value(text.strip())
 
 
@@ -183,10 +200,32 @@ def _role(name: str, body: Any, plugins: Loaded) -> Role:
     )
 
 
+def _check_text(node: Any, section: str, key: str | None = None) -> None:
+    """Refuse a NUL byte in any key or string of the recipe, naming its section and key."""
+    if isinstance(node, str) and "\x00" in node:
+        raise ConfigError(section, key, f"must not contain a NUL byte, got {node!r}")
+    if isinstance(node, list):
+        for child in node:
+            _check_text(child, section, key)
+    if not isinstance(node, dict):
+        return
+    for name, child in node.items():
+        if "\x00" in name:
+            raise ConfigError(section, repr(name), "a key must not contain a NUL byte")
+        tables = isinstance(child, list) and bool(child) and all(isinstance(c, dict) for c in child)
+        if key is None and (isinstance(child, dict) or tables):
+            sub = f"{section}.{name}" if section else name
+            for i, table in enumerate(child if tables else [child]):
+                _check_text(table, f"{sub}.{i}" if tables else sub)
+        else:
+            _check_text(child, section, key or name)
+
+
 def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> Recipe:
     """Check every section of a parsed recipe against the registries; raise ConfigError."""
     plugins = plugins or load()
     try:
+        _check_text(raw, "")
         for key in raw:
             if key not in TOP_LEVEL:
                 raise ConfigError(
@@ -219,15 +258,34 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
 
 
 def read(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML file; missing files and syntax errors become ConfigError."""
+    """Parse a TOML file; a missing, unreadable, binary or malformed file becomes a ConfigError."""
     path = Path(path)
+    file = str(path)
     try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise ConfigError("", None, "recipe file not found", file=str(path)) from None
+        raise ConfigError("", None, "recipe file not found", file=file) from None
+    except IsADirectoryError:
+        raise ConfigError("", None, "is a directory, not a recipe file", file=file) from None
+    except OSError as exc:
+        raise ConfigError("", None, f"cannot read the recipe: {exc.strerror or exc}", file=file) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "",
+            None,
+            f"not a UTF-8 text file (byte 0x{data[exc.start]:02x} at offset {exc.start}): a recipe is TOML text",
+            file=file,
+        ) from None
+    if "\x00" in text:
+        raise ConfigError(
+            "", None, f"holds a NUL byte at offset {text.index(chr(0))}: a recipe is TOML text", file=file
+        )
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", None, f"invalid TOML: {exc}", file=str(path)) from None
+        raise ConfigError("", None, f"invalid TOML: {exc}", file=file) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] = (), plugins: Loaded | None = None) -> Recipe:
@@ -240,6 +298,71 @@ def load_recipe(path: str | Path, overrides: list[str] = (), plugins: Loaded | N
         exc.file = str(path)
         raise
     return validate(raw, str(path), plugins)
+
+
+# Keys that may differ between a run's recipe and a resumed (or evaluated) one: how long to train,
+# how often to log, evaluate and checkpoint, where (device, threads, the data folder), and what
+# to evaluate and where to log. Everything else decides what is trained and is fixed for a run.
+RESUMABLE = (
+    "run.steps",
+    "run.log_every",
+    "run.eval_every",
+    "run.checkpoint_every",
+    "run.threads",
+    "run.device",
+    "data.root",
+    "eval",
+    "log",
+)
+
+
+def _resumable(path: str) -> bool:
+    return any(path == key or path.startswith(key + ".") for key in RESUMABLE)
+
+
+def differences(a: Any, b: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, value in a, value in b) wherever two resolved recipe dicts differ; None for absent."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        found = []
+        for key in [*a, *(k for k in b if k not in a)]:
+            found += differences(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else str(key))
+        return found
+    return [] if a == b else [(prefix, a, b)]
+
+
+def training_part(resolved: dict[str, Any]) -> dict[str, Any]:
+    """A resolved recipe (``Recipe.to_dict()``) without the RESUMABLE keys: what a checkpoint was trained by."""
+
+    def keep(node: Any, prefix: str) -> Any:
+        if not isinstance(node, dict):
+            return node
+        return {
+            k: keep(v, f"{prefix}.{k}" if prefix else k)
+            for k, v in node.items()
+            if not _resumable(f"{prefix}.{k}" if prefix else k)
+        }
+
+    return keep(resolved, "")
+
+
+def _split(path: str) -> tuple[str, str]:
+    section, _, key = path.rpartition(".")
+    return section, key
+
+
+def check_unchanged(before: Recipe, after: Recipe, when: str) -> None:
+    """Refuse ``after`` (the run's recipe with overrides) where it differs from ``before`` outside
+    RESUMABLE: a ConfigError naming the first such key."""
+    for path, old, new in differences(before.to_dict(), after.to_dict()):
+        if not _resumable(path):
+            section, key = _split(path)
+            allowed = ", ".join(RESUMABLE)
+            raise ConfigError(
+                section,
+                key,
+                f"cannot change {when} (the run has {old!r}, the override gives {new!r}); what may change: {allowed}",
+                file=after.path,
+            )
 
 
 def with_run(recipe: Recipe, **changes: Any) -> Recipe:

@@ -178,6 +178,24 @@ def test_a_plugin_command_cannot_replace_a_built_in_one(tmp_path):
     assert "hijacked" not in proc.stdout and "Train a model as a recipe says" in proc.stdout
 
 
+def test_two_plugins_cannot_share_a_command_name(tmp_path):
+    """The first plugin (in load order) keeps the name; the second is told, naming both."""
+    for plugin in ("first", "second"):
+        source = (
+            "from eblvm_core.hookspecs import hookimpl\n\n"
+            "def hello():\n"
+            "    '''A plugin command.'''\n"
+            f"    print('hello from {plugin}')\n\n"
+            "@hookimpl\n"
+            "def register_commands(register):\n"
+            "    register(hello)\n"
+        )
+        fake_distribution(tmp_path, plugin, f"eblvm_{plugin}", source)
+    proc = eblvm(["hello"], tmp_path)
+    assert proc.returncode == 0 and "hello from first" in proc.stdout, proc.stdout + proc.stderr
+    assert "plugin 'second' registers a command 'hello', which plugin 'first' registered first" in proc.stderr
+
+
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["validate", "--help"], ["compare", "--help"]])
 def test_help_imports_neither_torch_nor_plugins(args):
     """What makes `eblvm --help` start in a fraction of a second (0.2 s measured, 3 s before)."""

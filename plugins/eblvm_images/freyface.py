@@ -42,18 +42,19 @@ def load_frey(path: Path) -> np.ndarray:
     """The frames of ``frey_rawface.mat`` as uint8 (N, 28, 20); DataError if absent or malformed."""
     fix = f"download {URL} into that folder, or point [data] root at the folder that holds it (-o data.root=/path)"
     if not path.is_file():
-        raise DataError(f"{path}: Frey face file not found; {fix}")
+        raise DataError(f"{path}: Frey face file not found; {fix}", key="root")
     try:
         content = scipy.io.loadmat(str(path))
     except Exception as exc:  # scipy raises several types for corrupt or non-MATLAB files
-        raise DataError(f"{path}: not a readable MATLAB file ({exc}); {fix}") from None
+        raise DataError(f"{path}: not a readable MATLAB file ({exc}); {fix}", key="root") from None
     if "ff" not in content:
         found = ", ".join(k for k in content if not k.startswith("__")) or "none"
-        raise DataError(f"{path}: no variable 'ff' (found: {found}); expected Roweis' {FILE}: {fix}")
+        raise DataError(f"{path}: no variable 'ff' (found: {found}); expected Roweis' {FILE}: {fix}", key="root")
     ff = content["ff"]
     if ff.ndim != 2 or ff.shape[0] != HEIGHT * WIDTH or ff.dtype != np.uint8:
         raise DataError(
-            f"{path}: 'ff' must be uint8 ({HEIGHT * WIDTH}, N), got {ff.dtype} {ff.shape}; expected Roweis' {FILE}: {fix}"
+            f"{path}: 'ff' must be uint8 ({HEIGHT * WIDTH}, N), got {ff.dtype} {ff.shape}; expected Roweis' {FILE}: {fix}",
+            key="root",
         )
     return ff.T.reshape(-1, HEIGHT, WIDTH)
 

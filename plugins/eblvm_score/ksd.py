@@ -8,8 +8,10 @@ import attrs
 import torch
 from torch import Tensor
 
+from eblvm_core import distributed
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import Parts, ScoreObjective
+from eblvm_core.errors import ConfigError
 
 
 @attrs.frozen
@@ -27,7 +29,8 @@ class KSD(ScoreObjective):
     For the RBF kernel with r = x − x': ∇_{x'}k = k r/h², ∇_x k = −k r/h² and
     tr ∇_x∇_{x'}k = k (d/h² − ‖r‖²/h⁴). Value-only: per-sample losses from score values.
     With ``pairing = "all"`` the loss of sample i is the mean of u(x_i, x_j) over j ≠ i
-    (B,); with ``"halves"`` it is u(x_i, x_{i+B/2}) (B/2,).
+    (B,); with ``"halves"`` it is u(x_i, x_{i+B/2}) (B/2,), which needs an even B (the factory
+    refuses an odd batch; called directly on an odd batch, the last point is left out).
     """
 
     value_only = True
@@ -56,4 +59,13 @@ class KSD(ScoreObjective):
 
 def build_ksd(cfg: KSDConfig, parts: Parts) -> KSD:
     """Kernelized Stein discrepancy (RBF kernel), a U-statistic over pairs of the batch."""
+    world = distributed.world_size()
+    if cfg.pairing == "halves" and parts.batch_size is not None and (parts.batch_size // world) % 2:
+        shard = f" ({world} processes share [run] batch_size = {parts.batch_size})" if world > 1 else ""
+        raise ConfigError(
+            "objective",
+            "pairing",
+            f"'halves' pairs x_i with x_(i+B/2) and needs an even batch; B = {parts.batch_size // world}{shard} "
+            "would leave its last point out: use an even [run] batch_size, or pairing = 'all'",
+        )
     return KSD(cfg.bandwidth, cfg.pairing)
