@@ -1,15 +1,29 @@
-"""Atomic checkpoints, safe loading, and the RNG states a bit-exact resume needs."""
+"""Atomic checkpoints, safe loading, checksums, the RNG states a bit-exact resume needs, and
+run directories.
+
+A checkpoint is a dict saved by ``torch.save`` and loaded weights-only. ``seal`` adds
+``"checksum"``: the SHA-256 of every tensor's bytes (with dtype and shape) and every plain value
+of the rest, in key order; ``read_checkpoint`` recomputes it, so a flipped bit in a stored tensor
+is an error rather than a silently wrong parameter. Checksumming reads the state, it changes
+nothing that is trained.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
+import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from eblvm_core.errors import CheckpointError
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
@@ -30,8 +44,83 @@ def save_atomic(obj: Any, path: str | Path) -> None:
 
 
 def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs)."""
+    """Load a checkpoint with ``weights_only=True`` (no arbitrary code runs); torch's errors as they come."""
     return torch.load(path, map_location=map_location, weights_only=True)
+
+
+def _feed(digest: Any, obj: Any) -> None:
+    """Feed ``obj`` to a hashlib digest: tensors by dtype, shape and bytes; containers in key order."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        digest.update(f"D{len(obj)}".encode())
+        for key in sorted(obj, key=lambda k: (type(k).__name__, repr(k))):
+            digest.update(f"K{key!r}".encode())
+            _feed(digest, obj[key])
+    elif isinstance(obj, (list, tuple)):
+        digest.update(f"{type(obj).__name__}{len(obj)}".encode())
+        for item in obj:
+            _feed(digest, item)
+    else:
+        digest.update(f"V{type(obj).__name__}:{obj!r}".encode())
+
+
+def checksum(state: dict[str, Any]) -> str:
+    """SHA-256 (hex) of a checkpoint's content, its ``"checksum"`` entry left out."""
+    digest = hashlib.sha256()
+    _feed(digest, {k: v for k, v in state.items() if k != "checksum"})
+    return digest.hexdigest()
+
+
+def seal(state: dict[str, Any]) -> dict[str, Any]:
+    """The state with its ``"checksum"``, ready for ``save_atomic``."""
+    return {**state, "checksum": checksum(state)}
+
+
+def _unreadable(exc: BaseException) -> str:
+    """What a torch.load failure means, in a few words (never torch's advice to load unsafely)."""
+    text = str(exc)
+    if isinstance(exc, EOFError):
+        return "ends too early: truncated or empty"
+    if isinstance(exc, OSError) and exc.errno not in (None, errno.EINVAL):
+        return f"cannot be read: {exc.strerror or exc}"
+    if isinstance(exc, OSError):
+        return "truncated or damaged: its zip records point past the end of the file"
+    if "GLOBAL" in text:
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f" ({found.group(1)})" if found else ""
+        return f"holds a pickled Python object{what}; refused, as loading it could run code"
+    if "central directory" in text or "zip archive" in text:
+        return "truncated or damaged: not a complete torch zip archive"
+    return f"not an eblvm checkpoint (unreadable as a torch file: {type(exc).__name__})"
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", format: int | None = None) -> dict[str, Any]:
+    """Load and verify a checkpoint; CheckpointError (``file: what is wrong``) when it is missing,
+    empty, truncated, unreadable, not a checkpoint dict, of another ``format`` or its checksum differs."""
+    path = Path(path)
+    file = str(path)
+    if not path.is_file():
+        raise CheckpointError(file, "no such checkpoint file" if not path.exists() else "not a file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(file, "empty file (0 bytes): a write was interrupted or the disk was full")
+    try:
+        state = load(path, map_location)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, KeyError, ValueError, TypeError, OSError) as exc:
+        raise CheckpointError(file, _unreadable(exc)) from None
+    if not isinstance(state, dict) or "format" not in state:
+        what = f"a bare {type(state).__name__}" if not isinstance(state, dict) else "a dict without 'format'"
+        raise CheckpointError(file, f"not an eblvm checkpoint: it holds {what}")
+    if format is not None and state["format"] not in (format, 2):
+        raise CheckpointError(file, f"checkpoint format {state['format']!r} is not {format}: written by another eblvm")
+    if "checksum" in state:
+        if state["checksum"] != checksum(state):
+            raise CheckpointError(file, "checksum mismatch: the file was changed or damaged after it was written")
+    elif state["format"] != 2:
+        raise CheckpointError(file, "no checksum: the file is incomplete or was not written by eblvm")
+    return state
 
 
 def rng_state() -> dict[str, Any]:
@@ -67,15 +156,32 @@ def seed_everything(seed: int) -> None:
 
 
 def new_run_dir(out: str | Path, name: str) -> Path:
-    """``<out>/<name>/<YYYYmmdd-HHMMSS>`` (suffixed if taken), created."""
+    """``<out>/<name>/<YYYYmmdd-HHMMSS>`` (suffixed ``-1``, ``-2``... if taken), created with its
+    ``checkpoints/``; safe when several runs start in the same second (mkdir is the claim)."""
     import time
 
-    base = Path(out) / name / time.strftime("%Y%m%d-%H%M%S")
-    path, i = base, 1
-    while path.exists():
-        path, i = Path(f"{base}-{i}"), i + 1
-    (path / "checkpoints").mkdir(parents=True)
-    return path
+    parent = Path(out) / name
+    parent.mkdir(parents=True, exist_ok=True)
+    stamp, i = time.strftime("%Y%m%d-%H%M%S"), 0
+    while True:
+        path = parent / (stamp if i == 0 else f"{stamp}-{i}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            i += 1
+            continue
+        (path / "checkpoints").mkdir()
+        return path
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Delete the ``.<name>.pt.*.tmp`` files a kill during ``save_atomic`` left in checkpoints/;
+    call it only while holding the run directory's lock. Returns what it removed."""
+    removed = []
+    for tmp in (Path(run_dir) / "checkpoints").glob(".*.pt.*.tmp"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
 
 
 def last_checkpoint(run_dir: str | Path) -> Path:

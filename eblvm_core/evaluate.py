@@ -8,7 +8,6 @@ and their images are written to RUN_DIR/eval/<name>-<key>-step<step>.png.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from eblvm_core.config import structure
 from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.plugins import load
-from eblvm_core.recipe import Recipe, Section, load_recipe, with_run
-from eblvm_core.trainer import Trainer, best_checkpoint
+from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
+from eblvm_core.trainer import CHECKPOINT_FORMAT, Trainer, best_checkpoint, check_checkpoint_recipe, json_row
 
 
 @attrs.define
@@ -71,13 +70,16 @@ def load_run(
     if not recipe_path.exists():
         raise EblvmError(f"{run_dir} is not a run directory: it has no recipe.toml")
     recipe = load_recipe(recipe_path, overrides)
+    check_unchanged(load_recipe(recipe_path), recipe, "when evaluating a trained run")
     if device is not None:
         recipe = with_run(recipe, device=device)
     path = resolve_checkpoint(run_dir, checkpoint)
     torch_device = pick_device(recipe.run.device)
+    state = ckpt.read_checkpoint(path, map_location=torch_device, format=CHECKPOINT_FORMAT)
+    check_checkpoint_recipe(state, recipe, path)
     built = build(recipe, torch_device)
     trainer = Trainer(recipe, built, run_dir, echo=lambda _line: None)
-    trainer.restore(ckpt.load(path, map_location=torch_device), training=False)
+    trainer.restore(state, training=False, source=path)
     trainer.use_ema()
     ckpt.seed_everything(seed)
     return LoadedRun(run_dir, recipe, built, trainer.step, checkpoint, seed)
@@ -118,7 +120,7 @@ def record(run: LoadedRun, result: EvalResult) -> list[Path]:
     from torchvision.utils import save_image
 
     with open(run.run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json.dumps({"step": run.step, "checkpoint": run.checkpoint, **result.scalars}) + "\n")
+        fh.write(json_row(run.step, result.scalars, checkpoint=run.checkpoint) + "\n")
     paths = []
     for key, image in result.images.items():
         path = run.run_dir / "eval" / f"{key.removeprefix('eval/').replace('/', '-')}-step{run.step}.png"

@@ -1,13 +1,18 @@
 """The training loop: batches, estimator steps under the run's precision, schedules, EMA,
-logging, evaluation, checkpoints, resume and the NaN guard, the same for every role; under
-torchrun the same loop on every rank, rank 0 alone writing and evaluating."""
+logging, evaluation, checkpoints, resume, the NaN guard and Ctrl-C, the same for every role;
+under torchrun the same loop on every rank, rank 0 alone writing and evaluating."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
+import os
+import re
+import shutil
+import signal
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -21,12 +26,47 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
 from eblvm_core.data import Batches
-from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
+from eblvm_core.errors import (
+    CheckpointError,
+    ConfigError,
+    EblvmError,
+    FileSystemError,
+    Interrupted,
+    TrainingDiverged,
+)
 from eblvm_core.optim import optimizer_params
-from eblvm_core.recipe import Recipe
+from eblvm_core.recipe import Recipe, differences, training_part
+from eblvm_core.rundir import Provenance, RunLock, RunLog
 
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 3  # 3: a checksum and the training part of the recipe; 2 (neither) still loads
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
+
+
+def json_row(step: int, scalars: dict[str, float], **extra: Any) -> str:
+    """One metrics.jsonl line: valid JSON, non-finite values written as null and listed with
+    their value under ``"nonfinite"`` (e.g. ``{"eval/x": "nan"}``)."""
+    row: dict[str, Any] = {"step": step, **extra}
+    bad = {}
+    for key, value in scalars.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[key], bad[key] = None, repr(value)
+        else:
+            row[key] = value
+    if bad:
+        row["nonfinite"] = bad
+    return json.dumps(row, allow_nan=False)
+
+
+def check_checkpoint_recipe(state: dict[str, Any], recipe: Recipe, path: str | Path) -> None:
+    """Refuse a checkpoint written by another recipe (one that trains something else), naming the first difference."""
+    if "recipe" not in state:  # format 2
+        return
+    for key, theirs, ours in differences(state["recipe"], training_part(recipe.to_dict())):
+        raise CheckpointError(
+            str(path),
+            f"written by another recipe: {key} is {theirs!r} there and {ours!r} in {recipe.path}",
+        )
 
 
 def best_checkpoint(run_dir: str | Path) -> Path:
@@ -62,6 +102,7 @@ class Trainer:
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
+        self.stop_signal: str | None = None  # set by SIGINT/SIGTERM: checkpoint and stop after this step
         names = {
             id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
         }
@@ -95,20 +136,28 @@ class Trainer:
             "data": self.batches.state_dict(),
             "rng": ckpt.rng_state(),
             "best": self.best,
+            "recipe": training_part(self.recipe.to_dict()),
         }
 
-    def restore(self, state: dict[str, Any], training: bool = True) -> None:
-        """Load a checkpoint: networks, estimator state and EMA always; with ``training`` also the
-        optimizers, gradient scalers, data position, RNG streams and best value.
+    def restore(self, state: dict[str, Any], training: bool = True, source: str | Path = "checkpoint") -> None:
+        """Load a checkpoint (from ``ckpt.read_checkpoint``): networks, estimator state and EMA
+        always; with ``training`` also the optimizers, gradient scalers, data position, RNG
+        streams and best value. A checkpoint that does not fit this run's parts is a
+        CheckpointError naming ``source``.
 
         Each rank takes its own RNG and estimator state (``state["ranks"]``) when the checkpoint
         was written by as many processes; otherwise every rank takes rank 0's estimator state
         and ranks > 0 draw fresh streams, seeded from (seed, step, rank).
         """
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise EblvmError(
-                f"checkpoint format {state.get('format', 1)} is not {CHECKPOINT_FORMAT}: it was written by an older eblvm"
-            )
+        try:
+            self._restore(state, training)
+        except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as exc:
+            what = " ".join(str(exc).split()) or type(exc).__name__
+            raise CheckpointError(str(source), f"does not fit this run's parts: {what}") from None
+        if training:
+            self.last_saved = (self.step, Path(source))
+
+    def _restore(self, state: dict[str, Any], training: bool) -> None:
         for name, net in self.parts.networks().items():
             net.load_state_dict(state["networks"][name])
         ranks = state.get("ranks")
@@ -116,7 +165,7 @@ class Trainer:
         own = state if other_world else ranks[self.rank]
         self.estimator.load_state_dict(own["estimator"])
         for role, values in state["ema"].items():
-            self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role])]
+            self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role], strict=True)]
         self.step = int(state["step"])
         if not training:
             return
@@ -138,7 +187,7 @@ class Trainer:
             state["ranks"] = distributed.gather({"rng": state["rng"], "estimator": state["estimator"]})
         path = ckpt.last_checkpoint(self.run_dir)
         if self.rank == 0:
-            ckpt.save_atomic(state, path)
+            ckpt.save_atomic(ckpt.seal(state), path)
         self.last_saved = (self.step, path)
 
     # ---- EMA ---------------------------------------------------------------------------
@@ -175,7 +224,7 @@ class Trainer:
         if self.rank:
             return
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": self.step, **scalars}) + "\n")
+            fh.write(json_row(self.step, scalars) + "\n")
         for logger in self.built.loggers:
             logger.log_scalars(self.step, scalars)
             if images:
@@ -198,6 +247,10 @@ class Trainer:
                 images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
         if scalars or images:
             self.record(scalars, images)
+        bad = {k: v for k, v in scalars.items() if not math.isfinite(v)}
+        if bad:
+            key, value = next(iter(bad.items()))
+            raise self._diverged(f"evaluation gave {key} = {value}: the model has degenerated")
         self.select(scalars)
         return scalars
 
@@ -218,26 +271,49 @@ class Trainer:
         improved = self.best is None or (value > self.best if run.select_mode == "max" else value < self.best)
         if math.isfinite(value) and improved:
             self.best = value
-            ckpt.save_atomic(self.state(), best_checkpoint(self.run_dir))
+            ckpt.save_atomic(ckpt.seal(self.state()), best_checkpoint(self.run_dir))
 
     # ---- the NaN guard -------------------------------------------------------------------
-    def _diverged(self, what: str) -> TrainingDiverged:
-        if self.last_saved:
-            kept = f"last good checkpoint: {self.last_saved[1]} (step {self.last_saved[0]})"
-        else:
+    def _diverged(self, what: str, step: int | None = None) -> TrainingDiverged:
+        """The error for a divergence at ``step`` (default: the last one taken), saying which checkpoint is kept."""
+        if self.last_saved is None:
             kept = "no checkpoint was written before it"
-        return TrainingDiverged(f"step {self.step}: {what}; run stopped, {kept}")
+        elif self.last_saved[0] == self.step:
+            kept = f"the checkpoint {self.last_saved[1]} holds this step's parameters"
+        else:
+            kept = f"last good checkpoint: {self.last_saved[1]} (step {self.last_saved[0]})"
+        return TrainingDiverged(f"step {self.step if step is None else step}: {what}; run stopped, {kept}")
 
-    def check_parameters(self) -> None:
-        """Stop when a parameter of any role is NaN or infinite."""
+    def nonfinite_parameter(self) -> str | None:
+        """The name of a NaN or infinite trained parameter (any role) or network buffer, else None."""
         for role, opt in self.optimizers.items():
             params = optimizer_params(opt)
             finite = (
                 torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
             )
             if not bool(finite.all()):
-                name = self.param_names[role][int((~finite).nonzero()[0])]
-                raise self._diverged(f"parameter {name} (role '{role}') is not finite")
+                return f"parameter {self.param_names[role][int((~finite).nonzero()[0])]} (role '{role}')"
+        for section, net in self.parts.networks().items():
+            for name, buffer in net.named_buffers():
+                if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+                    return f"buffer {section}.{name}"
+        return None
+
+    def check_parameters(self) -> None:
+        """Stop when a parameter of any role (or a network buffer) is NaN or infinite."""
+        bad = self.nonfinite_parameter()
+        if bad is not None:
+            raise self._diverged(f"{bad} is not finite")
+
+    def _step_failed(self, exc: Exception) -> TrainingDiverged | None:
+        """A step that raised on non-finite values (a NaN probability in a sampler) or with a
+        non-finite parameter is a divergence; anything else is a bug (None: re-raise it)."""
+        bad = self.nonfinite_parameter()
+        message = " ".join(str(exc).split()).split(" (Could this error message be improved?")[0]
+        if bad is None and not NON_FINITE.search(message):
+            return None
+        cause = f"{bad} is not finite" if bad else "a value became non-finite"
+        return self._diverged(f"the step failed: {cause} ({type(exc).__name__}: {message[:200]})", self.step + 1)
 
     # ---- the loop ----------------------------------------------------------------------
     def set_learning_rates(self) -> None:
@@ -248,6 +324,22 @@ class Trainer:
                 continue
             for group, base in zip(opt.param_groups, opt.base_lrs):
                 group["lr"] = schedule.lr(base, self.step, run.steps, self.batches.steps_per_epoch)
+
+    def _stop_if_asked(self, sync_step: bool, saved: bool) -> None:
+        """After a step: on SIGINT/SIGTERM write a checkpoint (unless this step did) and stop.
+        With several processes the ranks agree at logging and checkpoint steps."""
+        stop = self.stop_signal is not None
+        if self.world > 1:
+            stop = sync_step and distributed.any_rank(stop)
+        if not stop:
+            return
+        if not saved:
+            self.save()
+        raise Interrupted(
+            f"{self.stop_signal or 'a signal on another rank'} at step {self.step}/{self.recipe.run.steps}: "
+            f"checkpoint {ckpt.last_checkpoint(self.run_dir)} written; "
+            f"resume with: eblvm run --resume {self.run_dir}"
+        )
 
     def fit(self) -> dict[str, float]:
         run = self.recipe.run
@@ -267,8 +359,14 @@ class Trainer:
             while self.step < run.steps:
                 self.set_learning_rates()
                 batch = self.batches.next()
-                with autocast():
-                    metrics = self.estimator.step(batch)
+                try:
+                    with autocast():
+                        metrics = self.estimator.step(batch)
+                except (RuntimeError, ValueError) as exc:
+                    diverged = self._step_failed(exc)
+                    if diverged is None:
+                        raise
+                    raise diverged from None
                 self.update_ema()
                 self.step += 1
                 loss = metrics.get("loss", 0.0)
@@ -312,6 +410,7 @@ class Trainer:
                     self.evaluate()
                 if save_now:
                     self.save()
+                self._stop_if_asked(log_now or save_now, save_now)
         finally:
             if bar is not None:
                 bar.close()
@@ -328,19 +427,23 @@ def run(
 ) -> tuple[Path, dict[str, float]]:
     """Train from a recipe (or continue the run in ``resume``); returns (run_dir, final eval).
 
-    Under torchrun every process calls it and joins the process group for the run; ranks > 0
-    return an empty evaluation.
+    On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, intervals, device,
+    threads, data root, evaluators, loggers); they are checked, as is the checkpoint, before
+    anything is written. Under torchrun every process calls it and joins the process group for
+    the run; ranks > 0 return an empty evaluation.
     """
     import secrets
 
     from eblvm_core.build import pick_device
-    from eblvm_core.recipe import load_recipe, with_run
+    from eblvm_core.recipe import check_unchanged, load_recipe, with_run
 
     if resume is not None:
         run_dir = Path(resume)
         if not ckpt.last_checkpoint(run_dir).exists():
             raise ConfigError("", None, f"no checkpoint to resume from in {run_dir}", file=str(run_dir))
-        recipe = load_recipe(run_dir / "recipe.toml", overrides)
+        recipe_file = run_dir / "recipe.toml"
+        recipe = load_recipe(recipe_file, overrides)
+        check_unchanged(load_recipe(recipe_file), recipe, "when resuming")
     else:
         recipe = load_recipe(recipe_path, overrides)
         if recipe.run.seed is None:
@@ -358,14 +461,82 @@ def run(
         return _train(recipe, torch_device, out, resume, echo)
 
 
+@contextlib.contextmanager
+def stop_on_signals(trainer: Trainer) -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM ask the trainer to finish its step, write a checkpoint
+    and stop (``Trainer.stop_signal``); a second Ctrl-C aborts at once (KeyboardInterrupt).
+    Outside the main thread, signals are left alone."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: Any) -> None:
+        if trainer.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        trainer.stop_signal = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _clean_metrics(run_dir: Path, step: int, final_pending: bool) -> None:
+    """Drop the training rows of metrics.jsonl written after the checkpoint at ``step`` (they are
+    written again as training resumes), and the final evaluation's rows when it runs again;
+    rows of ``eblvm eval`` (with a "checkpoint" key) stay."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        rerun = row.get("step", 0) > step or (
+            final_pending and row.get("step") == step and any(k.startswith("eval/") for k in row)
+        )
+        if "checkpoint" in row or not rerun:
+            kept.append(line)
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _write_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """The resolved recipe as run_dir/recipe.toml, atomically."""
+    import tomli_w
+
+    tmp = run_dir / ".recipe.toml.tmp"
+    tmp.write_text(tomli_w.dumps(recipe.to_dict()))
+    os.replace(tmp, run_dir / "recipe.toml")
+
+
+def _on_rank0(work: Callable[[], Any]) -> Any:
+    """Run ``work`` on rank 0 and hand its result, or its EblvmError, to every rank (so that a
+    refusal on rank 0 stops every rank instead of leaving them waiting at a collective)."""
+    outcome: Any = None
+    if distributed.rank() == 0:
+        try:
+            outcome = ("ok", work())
+        except EblvmError as exc:
+            outcome = ("error", exc)
+    outcome = distributed.broadcast_object(outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1]
+
+
 def _train(
     recipe: Recipe, device: torch.device, out: str | Path, resume: str | Path | None, echo: Callable[[str], None]
 ) -> tuple[Path, dict[str, float]]:
     """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
-    seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone makes the run
-    directory, writes and echoes."""
-    import tomli_w
-
+    seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
+    directory and echoes. Nothing is written before the recipe built and, on resume, the
+    checkpoint loaded and fitted."""
     from eblvm_core.build import build, build_loggers
     from eblvm_core.recipe import with_run
 
@@ -374,27 +545,145 @@ def _train(
         echo = lambda _message: None  # noqa: E731
     if world > 1 and resume is None:
         recipe = with_run(recipe, seed=distributed.broadcast_object(recipe.run.seed))
-    ckpt.seed_everything(recipe.run.seed)
-    built = build(recipe, device)
-    if resume is None:
-        run_dir = distributed.broadcast_object(ckpt.new_run_dir(out, recipe.run.name) if rank == 0 else None)
-    else:
-        run_dir = Path(resume)
-    if rank == 0:
-        (run_dir / "recipe.toml").write_text(tomli_w.dumps(recipe.to_dict()))
-        built.loggers = build_loggers(recipe, run_dir)
-    trainer = Trainer(recipe, built, run_dir, echo)
-    if rank:
-        ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
-    if resume is not None:
-        trainer.restore(ckpt.load(ckpt.last_checkpoint(run_dir), map_location=device))
-        echo(f"resuming {run_dir} at step {trainer.step}")
-    else:
-        processes = f", {world} processes" if world > 1 else ""
-        echo(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{processes})")
+    locks: list[RunLock] = []
     try:
-        results = trainer.fit()
+        state = None
+        if resume is not None:
+            run_dir = Path(resume)
+            state = _checked_resume(recipe, run_dir, device, locks)
+            if state is None:
+                echo(
+                    f"{run_dir} finished at step {recipe.run.steps}: nothing to do "
+                    "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
+                )
+                return run_dir, {}
+        ckpt.seed_everything(recipe.run.seed)
+        built = build(recipe, device)
+        trainer = Trainer(recipe, built, Path(resume or "."), echo)
+        if rank:
+            ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
+        if state is not None:
+            trainer.restore(state, source=ckpt.last_checkpoint(resume))
+            del state
+        if resume is None:
+            run_dir = Path(_on_rank0(lambda: _new_run_dir(out, recipe.run.name, locks)))
+        trainer.run_dir = run_dir
+        return _fit(recipe, trainer, built, run_dir, device, resume, echo, build_loggers)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _checked_resume(recipe: Recipe, run_dir: Path, device: torch.device, locks: list[RunLock]) -> dict[str, Any] | None:
+    """Lock the run directory (rank 0, the lock goes into ``locks``), remove stale temporary
+    checkpoints, load last.pt and check it against the recipe; None when the run has finished and
+    nothing is left to do."""
+    path = ckpt.last_checkpoint(run_dir)
+    loaded: dict[str, Any] = {}
+
+    def check() -> tuple[int, bool]:
+        locks.append(RunLock(run_dir).acquire())
+        ckpt.remove_stale_temporaries(run_dir)
+        loaded["state"] = ckpt.read_checkpoint(path, map_location=device, format=CHECKPOINT_FORMAT)
+        check_checkpoint_recipe(loaded["state"], recipe, path)
+        return int(loaded["state"]["step"]), Provenance(run_dir).finished
+
+    step, finished = _on_rank0(check)
+    if step > recipe.run.steps:
+        raise ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}", file=recipe.path)
+    if step == recipe.run.steps and finished:
+        return None
+    return loaded.get("state") or ckpt.read_checkpoint(path, map_location=device, format=CHECKPOINT_FORMAT)
+
+
+def _new_run_dir(out: str | Path, name: str, locks: list[RunLock]) -> Path:
+    """Create and lock ``<out>/<name>/<timestamp>`` (the lock goes into ``locks``); a
+    FileSystemError when ``out`` refuses."""
+    try:
+        run_dir = ckpt.new_run_dir(out, name)
+    except OSError as exc:
+        raise FileSystemError(
+            f"{exc.filename or out}: cannot create the run directory: {exc.strerror or exc}"
+        ) from None
+    locks.append(RunLock(run_dir).acquire())
+    return run_dir
+
+
+def _fit(
+    recipe: Recipe,
+    trainer: Trainer,
+    built: Built,
+    run_dir: Path,
+    device: torch.device,
+    resume: str | Path | None,
+    echo: Callable[[str], None],
+    build_loggers: Callable[[Recipe, Path], list[Any]],
+) -> tuple[Path, dict[str, float]]:
+    """Write the run directory's recipe, provenance and log (rank 0), train, and record how it ended."""
+    rank, world = trainer.rank, trainer.world
+    log = RunLog(run_dir, echo) if rank == 0 else echo
+    provenance = Provenance(run_dir) if rank == 0 else None
+    status = "failed"
+    try:
+        try:
+            if rank == 0:
+                _write_recipe(recipe, run_dir)
+                if resume is not None:
+                    _clean_metrics(run_dir, trainer.step, trainer.step == recipe.run.steps)
+                provenance.start(str(device), world, trainer.step)
+                built.loggers = build_loggers(recipe, run_dir)
+        except BaseException as exc:
+            if resume is None and rank == 0:
+                shutil.rmtree(run_dir, ignore_errors=True)  # a run that could not start leaves nothing
+                with contextlib.suppress(OSError):
+                    run_dir.parent.rmdir()  # nor an empty <out>/<name>/
+            if isinstance(exc, OSError):
+                raise FileSystemError(f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}") from None
+            raise
+        trainer.echo = log
+        for warning in built.parts.warnings:
+            log(f"warning: {warning}")
+        if resume is not None:
+            log(f"resuming {run_dir} at step {trainer.step}")
+        else:
+            processes = f", {world} processes" if world > 1 else ""
+            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{processes})")
+        try:
+            with stop_on_signals(trainer):
+                results = trainer.fit()
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted at step {trainer.step} without a checkpoint; "
+                f"{_kept(trainer)}; resume with: eblvm run --resume {run_dir}"
+            ) from None
+        except OSError as exc:
+            raise FileSystemError(
+                f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}; {_kept(trainer)}"
+            ) from None
+        status = "finished"
+        if rank == 0:
+            for key, value in results.items():
+                log.write(f"{key.removeprefix('eval/')}: {value:.6g}")
+        return run_dir, results
+    except BaseException as exc:
+        if isinstance(exc, TrainingDiverged):
+            status = "diverged"
+        elif isinstance(exc, Interrupted):
+            status = "interrupted"
+        if rank == 0 and isinstance(exc, EblvmError):
+            with contextlib.suppress(OSError):
+                log.write(f"error: {exc}")
+        raise
     finally:
         for logger in built.loggers:
-            logger.close()
-    return run_dir, results
+            with contextlib.suppress(Exception):
+                logger.close()
+        if provenance is not None:
+            with contextlib.suppress(OSError):
+                provenance.end(status, trainer.step)
+
+
+def _kept(trainer: Trainer) -> str:
+    if trainer.last_saved is None:
+        return "no checkpoint was written"
+    return f"{trainer.last_saved[1]} holds step {trainer.last_saved[0]}"

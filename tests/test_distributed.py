@@ -215,7 +215,17 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     assert (
         layout(two_dir)
         == layout(one_dir)
-        == sorted(["checkpoints/last.pt", "metrics.jsonl", "recipe.toml", "tensorboard/<events>"])
+        == sorted(
+            [
+                ".lock",
+                "checkpoints/last.pt",
+                "metrics.jsonl",
+                "recipe.toml",
+                "run.json",
+                "run.log",
+                "tensorboard/<events>",
+            ]
+        )
     )
     assert [sorted(r) for r in records(two_dir)] == [sorted(r) for r in records(one_dir)]
     state = ckpt.load(two_dir / "checkpoints" / "last.pt")
