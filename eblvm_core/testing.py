@@ -433,11 +433,26 @@ def _build_with_roles(raw: dict[str, Any], label: str) -> tuple[Any, Parts]:
     raise AssertionError(f"{label}: could not match the recipe's [optim.*] sections to the estimator's roles")
 
 
-def check_estimator(name: str, recipe: str | Path | dict, overrides: list[str] = (), seed: int = 0) -> dict[str, float]:
+def check_estimator(
+    name: str,
+    recipe: str | Path | dict,
+    overrides: list[str] = (),
+    seed: int = 0,
+    *,
+    reference: Callable[[Parts, Tensor], list[Tensor]] | None = None,
+    draws: int = 32,
+    min_cosine: float = 0.9,
+) -> dict[str, float]:
     """Build the recipe (its [estimator] kind set to ``name`` when absent) and take one step on a
     training batch; assert it returns finite metrics (floats or 0-d tensors) including "loss"
     (the trainer watches it for NaN/Inf), keeps one torch optimizer per declared role (the
     trainer checkpoints them), and changes parameters of every role. Returns the metrics as floats.
+
+    With ``reference(parts, batch)``, the gradient (one tensor per parameter of ``parts.model``,
+    in ``parameters()`` order) of the loss the estimator's model update should descend at the
+    built state, also assert the direction: with plain SGD for the "model" role, the update
+    −Δθ/lr averaged over ``draws`` steps from the same state (different random draws) has a
+    cosine of at least ``min_cosine`` with the reference; a wrong sign gives about −1.
     """
     from eblvm_core.checkpoint import seed_everything
     from eblvm_core.recipe import apply_override
@@ -478,7 +493,55 @@ def check_estimator(name: str, recipe: str | Path | dict, overrides: list[str] =
     state = estimator.state_dict()
     assert isinstance(state, dict), f"{name}: state_dict must return a dict"
     estimator.load_state_dict(state)
+    if reference is not None:
+        cosine = _update_cosine(raw, name, reference, draws, seed)
+        assert cosine >= min_cosine, (
+            f"{name}: the model's update, averaged over {draws} draws, has a cosine of {cosine:.3f} with the "
+            f"reference gradient (at least {min_cosine} expected; a wrong sign gives about -1)"
+        )
+        metrics["reference_cosine"] = cosine
     return metrics
+
+
+def _update_cosine(
+    raw: dict[str, Any], name: str, reference: Callable[[Parts, Tensor], list[Tensor]], draws: int, seed: int
+) -> float:
+    """cos(mean over draws of −Δθ/lr, reference) for one SGD step of the "model" role from the same state."""
+    import copy
+
+    from eblvm_core.checkpoint import seed_everything
+
+    lr = 1e-3
+    raw = copy.deepcopy(raw)
+    raw.setdefault("optim", {})["model"] = {"kind": "sgd", "lr": lr}
+    seed_everything(seed)
+    parsed, parts = _build_with_roles(raw, f"<check_estimator {name}>")
+    estimator, batch = parts.estimator, parts.data.tensor("train", parsed.run.batch_size)
+    theta = list(parts.model.parameters())
+    saved = copy.deepcopy(
+        (
+            {k: net.state_dict() for k, net in parts.networks().items()},
+            {role: opt.state_dict() for role, opt in estimator.optimizers.items()},
+            estimator.state_dict(),
+        )
+    )
+    mean = [torch.zeros_like(p) for p in theta]
+    for i in range(draws):
+        torch.manual_seed(seed + 1 + i)
+        before = [p.detach().clone() for p in theta]
+        estimator.step(batch)
+        for m, b, p in zip(mean, before, theta):
+            m += (b - p.detach()) / (lr * draws)
+        nets, opts, state = copy.deepcopy(saved)
+        for k, net in parts.networks().items():
+            net.load_state_dict(nets[k])
+        for role, opt in estimator.optimizers.items():
+            opt.load_state_dict(opts[role])
+        estimator.load_state_dict(state)
+    target = torch.cat([g.detach().flatten() for g in reference(parts, batch)])
+    update = torch.cat([m.flatten() for m in mean])
+    assert target.shape == update.shape, f"{name}: the reference needs one gradient per model parameter"
+    return float(update @ target / (update.norm() * target.norm()).clamp_min(1e-300))
 
 
 def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enumerated: int = 12) -> dict[str, float]:

@@ -320,3 +320,92 @@ def test_a_short_cpu_run_of_grbm_bissm(tmp_path):
     run_dir, results = run(RECIPES / "grbm_bissm.toml", overrides, device="cpu", out=tmp_path, echo=lambda _: None)
     assert math.isfinite(results["eval/exact-loglik/test_loglik"])
     assert (run_dir / "metrics.jsonl").exists()
+
+
+# ---- directions: what a step does, against exact gradients ----------------------------------------
+
+
+def exact_setup(family: str, objective) -> Parts:
+    """float64 parts with q at the exact posterior and plain SGD for both roles (update = −lr·gradient)."""
+    if family == "grbm":
+        model = small_grbm(2, 4)
+        posterior = BernoulliPosterior(2, 4).double()
+        exact_grbm_posterior(model, posterior)
+        v = torch.randn(64, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        parts = Parts(dtype=torch.float64, data=DataSplits(train=v, test=v), model=model, posterior=posterior)
+        parts.divergence = KL()
+    else:
+        _model, _posterior, parts = linear_gaussian_parts()
+        parts.divergence = Fisher()
+    parts.objective = objective
+    parts.optimizer_factories = {
+        "model": lambda params: torch.optim.SGD(params, lr=1e-3),
+        "posterior": lambda params: torch.optim.SGD(params, lr=1e-3),
+    }
+    return parts
+
+
+def mean_update(params: list[torch.Tensor], act, draws: int, restore) -> torch.Tensor:
+    """−Δ/lr of ``params`` (flattened) averaged over ``draws`` calls of ``act(i)`` from the same state."""
+    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    for i in range(draws):
+        before = flat([p.detach().clone() for p in params])
+        torch.manual_seed(1000 + i)
+        act(i)
+        total += (before - flat([p.detach() for p in params])) / (1e-3 * draws)
+        restore()
+    return total
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@pytest.mark.parametrize("family", ["grbm", "gaussian"])
+@pytest.mark.parametrize("estimator", ["unrolled-sgd", "implicit-cg"])
+def test_at_the_exact_posterior_a_step_moves_the_model_along_the_exact_gradient(family, estimator):
+    """Theorem 1 through the whole step (K real posterior steps, the hypergradient, the update):
+    the model's update, averaged over draws, points along −∇θ of the exact-score objective."""
+    parts = exact_setup(family, DSM(0.3))
+    est = ESTIMATORS[estimator](parts)
+    batch = parts.data.train[:32]
+    saved = {k: net.state_dict() for k, net in parts.networks().items()}
+    saved = {k: {n: t.clone() for n, t in state.items()} for k, state in saved.items()}
+
+    def restore() -> None:
+        for k, net in parts.networks().items():
+            net.load_state_dict(saved[k])
+
+    update = mean_update(est.theta, lambda i: est.step(batch), 16, restore)
+    torch.manual_seed(7)
+    reference = torch.zeros_like(update)
+    for _ in range(64):
+        x, context = parts.objective.points(batch)
+        loss = parts.objective.loss(lambda z: exact_score(parts.model, z), x, context).mean() / 64
+        reference += flat(torch.autograd.grad(loss, est.theta))
+    assert cosine(update, reference) > 0.9, cosine(update, reference)
+
+
+@pytest.mark.parametrize("family", ["grbm", "gaussian"])
+def test_the_real_lower_level_steps_descend_the_divergence(family):
+    """From a perturbed q, one real posterior step moves φ along −∇φ E[G] (G averaged over many samples)."""
+    parts = exact_setup(family, DSM(0.3))
+    with torch.no_grad():
+        for p in parts.posterior.parameters():
+            p.add_(0.5 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(2)))
+    est = ESTIMATORS["unrolled-sgd"](parts)
+    est.inner_steps = 1
+    x = parts.data.train[:32]
+    phi = list(est.phi.values())
+    saved = [p.detach().clone() for p in phi]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, s in zip(phi, saved):
+                p.copy_(s)
+
+    update = mean_update(phi, lambda i: est.fit_posterior(x), 32, restore)
+    many = type(parts.divergence)(n_samples=4096)
+    torch.manual_seed(3)
+    reference = flat(torch.autograd.grad(many(parts.model, parts.posterior, x).mean(), phi))
+    assert cosine(update, reference) > 0.9, cosine(update, reference)

@@ -39,19 +39,26 @@ def hidden_marginal(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
     return hs, torch.softmax(logits, 0).detach()
 
 
+def conditional_mean(model: GRBM, h: torch.Tensor) -> torch.Tensor:
+    """E[v | h] = b + σ²·scale·Wh (scale 1/σ when scaled), written here from the energy, not
+    taken from the model's ``visible_mean``, which the Gibbs sampler uses."""
+    scale = 1 / model.sigma if model.coupling == "scaled" else 1.0
+    return model.b + model.sigma**2 * scale * h @ model.W.T
+
+
 def exact_samples(model: GRBM, n: int) -> torch.Tensor:
     """n exact draws of v: h ~ p(h) by enumeration, then v ~ p(v | h), a Gaussian."""
     with torch.no_grad():
         hs, p_h = hidden_marginal(model)
         h = hs[torch.multinomial(p_h, n, replacement=True)]
-        return model.visible_mean(h) + model.sigma * torch.randn(n, model.W.shape[0], dtype=model.W.dtype)
+        return conditional_mean(model, h) + model.sigma * torch.randn(n, model.W.shape[0], dtype=model.W.dtype)
 
 
 def exact_moments(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
     """E[v] (d,) and E[vvᵀ] (d, d) of the GRBM, from the mixture over enumerated h."""
     with torch.no_grad():
         hs, p_h = hidden_marginal(model)
-        means = model.visible_mean(hs)
+        means = conditional_mean(model, hs)
         d = means.shape[1]
         second = model.sigma**2 * torch.eye(d, dtype=means.dtype) + torch.einsum("k,ki,kj->ij", p_h, means, means)
         return p_h @ means, second
@@ -96,6 +103,21 @@ def test_gibbs_sampler_is_reproducible_and_refuses_other_models():
     assert torch.equal(a, b) and a.shape == (7, 2)
     with pytest.raises(ConfigError, match="needs a GRBM"):
         sampler.sample(torch.nn.Linear(2, 2), 3)  # type: ignore[arg-type]
+
+
+def test_gibbs_final_mean_returns_the_conditional_means_of_equilibrium_hidden_states():
+    """With final_mean, each sample is E[v | h] = b + σ²Uh for the last hidden draw: one of the 2^m
+    component means, picked with the hidden marginal p(h) once the chains have mixed."""
+    model = random_grbm(d=2, m=3, seed=4)
+    hs, p_h = hidden_marginal(model)
+    components = conditional_mean(model, hs).detach()  # (2^m, d)
+    v = GibbsSampler(GibbsConfig(burn_in=60, final_mean=True), None).sample(
+        model, 40_000, torch.Generator().manual_seed(5)
+    )
+    distance, which = (v.unsqueeze(1) - components).abs().amax(-1).min(1)
+    assert distance.max() < 1e-12, "every sample must be a component mean"
+    freq = torch.bincount(which, minlength=len(hs)).double() / len(v)
+    assert ((freq - p_h).abs() <= 5 * (p_h * (1 - p_h) / len(v)).sqrt() + 1e-12).all(), (freq, p_h)
 
 
 # ---- CD / PCD --------------------------------------------------------------------------------
@@ -249,7 +271,13 @@ def test_score_loss_evaluator_picks_the_trace_and_averages():
     expected = grbm_score_loss_closed_form(model, data.test)
     assert scalars["test_score_loss"] == pytest.approx(float(expected.mean()), abs=1e-10)
     assert scalars["test_score_loss_stderr"] == pytest.approx(float(expected.std() / 5), abs=1e-10)
-    noisy = build_score_loss(ScoreLossConfig(trace="hutchinson", n_probes=2), parts)(parts).scalars
-    assert noisy["test_score_loss"] != scalars["test_score_loss"]
+    # Hutchinson: unbiased, so the mean over points and 400 probes lies within 5 standard errors of
+    # the exact value; the probe noise's standard error is that of one probe over √(points·probes)
+    noisy = build_score_loss(ScoreLossConfig(trace="hutchinson", n_probes=400), parts)(parts).scalars
+    single = torch.stack(
+        [score_matching_loss(model, data.test, "hutchinson", 1, torch.Generator().manual_seed(i)) for i in range(200)]
+    )
+    probe_se = float((single - expected).std()) / math.sqrt(25 * 400)
+    assert 0 < abs(noisy["test_score_loss"] - scalars["test_score_loss"]) < 5 * probe_se
     with pytest.raises(ConfigError, match="no 'val' split"):
         build_score_loss(ScoreLossConfig(split="val"), parts)
