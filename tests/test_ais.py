@@ -170,8 +170,9 @@ def test_effective_sample_size_of_weights():
 
 def collective_grbm(d: int = 40, m: int = 12, norm: float = 10.0, c: float = -20.0) -> GRBM:
     """Hidden units that all couple to one direction e (a "mean face"): u_j ≈ norm · e, b = 0,
-    c_j = c, σ = 0.3, plain coupling. All units on holds the mass (log-odds of each further unit
-    ≈ c + σ²norm²k), but from v near b a unit turns on only if c + σ·norm·z > 0, a z of 6.7."""
+    c_j = c, σ = 0.3, plain coupling. All units on holds the mass (with k units on, one more adds
+    about c + σ²norm²(k + ½) to log p), but from v near b a unit turns on only if c + σ·norm·z > 0:
+    a z of 6.7."""
     gen = torch.Generator().manual_seed(0)
     model = GRBM(d, m, init_sigma=0.3, coupling="plain").double()
     e = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
