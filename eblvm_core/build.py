@@ -209,9 +209,7 @@ def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = Fals
         from eblvm_core.compare import load_spec
 
         spec = load_spec(path, overrides)
-        recipes = [
-            validate(merged, str(spec.path.parent / m.recipe)) for m, merged in zip(spec.methods, spec.recipes.values())
-        ]
+        recipes = [validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods]
     else:
         from eblvm_core.recipe import load_recipe
 

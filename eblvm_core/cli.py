@@ -157,22 +157,30 @@ def eval_run(
         [],
         "--evaluator",
         "-e",
-        help="evaluator name, run with its default config; repeatable (default: the recipe's [[eval]])",
+        help="evaluator name, run instead of the recipe's [[eval]]; repeatable; -o eval.N.key=value sets an option "
+        "of the N-th (from 0)",
     ),
     override: list[str] = typer.Option(
-        [], "-o", "--override", help="section.key=value applied to the recipe; repeatable"
+        [],
+        "-o",
+        "--override",
+        help="section.key=value applied to the recipe ([[eval]], [sampler], where and how long); repeatable",
     ),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of every RNG before evaluating"),
 ) -> None:
-    """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl."""
+    """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl.
+
+    `eblvm eval RUN -e ais-loglik -o eval.0.n_chains=500` runs AIS alone with 500 chains.
+    """
     _check_device(device)
 
     def go() -> None:
-        from eblvm_core.evaluate import default_sections, load_run, record, run_evaluators
+        from eblvm_core.evaluate import evaluator_tables, load_run, record, run_evaluators
 
-        run = load_run(run_dir, checkpoint, device, override, seed)
-        result = run_evaluators(run, default_sections(evaluator))
+        tables = evaluator_tables(evaluator) if evaluator else None
+        run = load_run(run_dir, checkpoint, device, override, seed, evals=tables)
+        result = run_evaluators(run, echo=lambda line: typer.echo(line, err=True))
         for key, value in result.scalars.items():
             typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
         for path in record(run, result):
@@ -186,28 +194,40 @@ def eval_run(
 def sample(
     run_dir: Path = typer.Argument(..., help="a run directory"),
     n: int = typer.Option(64, "-n", min=1, help="number of samples"),
-    out: Path | None = typer.Option(None, help="image file (default RUN_DIR/samples.png)"),
+    out: Path | None = typer.Option(None, help="image file, e.g. samples.png (default RUN_DIR/samples.png)"),
+    raw: str = typer.Option("pt", help="format of the raw samples written beside the image: pt or npy"),
     checkpoint: str = typer.Option("last", help="last, best or a checkpoint path"),
     sampler: str | None = typer.Option(
-        None, help="sampler name (default: the recipe's [sampler], else the model's default)"
+        None,
+        help="sampler name (default: the recipe's [sampler], else the sampler of its sample-grid or fid [[eval]], "
+        "else the model's default)",
+    ),
+    override: list[str] = typer.Option(
+        [], "-o", "--override", help="section.key=value, e.g. sampler.burn_in=200 or eval.1.sampler_options.burn_in=200"
     ),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of the sampler"),
 ) -> None:
-    """Draw samples from a trained model and save them as an image (a scatter for 2-D data)."""
+    """Draw samples from a trained model with the recipe's sampler settings; save them as an image
+    (a scatter for 2-D data) and as raw values (n, *event_shape) beside it (.pt or .npy)."""
     _check_device(device)
+    if raw not in ("pt", "npy"):
+        fail(f"--raw must be pt or npy, got '{raw}'")
+    if out is not None and out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"):
+        fail(f"--out {out}: name an image file such as samples.png; the raw samples are written beside it (--raw)")
 
     def go() -> None:
         from torchvision.utils import save_image
 
-        from eblvm_core.evaluate import load_run, sample_run
+        from eblvm_core.evaluate import load_run, sample_run, save_samples
 
-        run = load_run(run_dir, checkpoint, device, seed=seed)
-        _samples, image = sample_run(run, n, sampler)
+        run = load_run(run_dir, checkpoint, device, override, seed)
+        samples, image, source = sample_run(run, n, sampler)
         path = out or run.run_dir / "samples.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_image(image, path)
-        typer.echo(f"{n} samples (step {run.step}) -> {path}")
+        values = save_samples(samples, path, raw)
+        typer.echo(f"{n} samples (step {run.step}, sampler settings: {source}) -> {path}, {values}")
 
     guarded(go)
 

@@ -23,7 +23,7 @@ A spec::
 
     [[method]]
     name = "DSM"
-    recipe = "../grbm_dsm.toml"                    # relative to the spec file
+    recipe = "../grbm_dsm.toml"                    # relative to the spec file, else to the working directory
     overrides = []
 
     [[eval]]          # optional: added to (or, with eval_mode = "replace", instead of) each recipe's [[eval]]
@@ -83,7 +83,9 @@ class CompareConfig:
     )
     curve: str = option("", "scalar of metrics.jsonl drawn as learning curves ('' for none)")
     curve_range: list[float] | None = option(
-        None, "[low, high] of the curve plot's value axis (values outside sit on its edge); None fits all"
+        None,
+        "[low, high] the curve plot's value axis may be narrowed to (values beyond are drawn as triangles on its "
+        "edge); the later half of every curve stays in view; None fits all",
     )
     image: str = option(
         "",
@@ -104,19 +106,21 @@ class MethodConfig:
     """One [[method]] of a spec: a recipe plus overrides."""
 
     name: str = option(help="label in the table and figure")
-    recipe: str = option(help="recipe file, relative to the spec file")
+    recipe: str = option(help="recipe file, relative to the spec file or else to the working directory")
     overrides: list[str] = option([], "section.key=value overrides of this method")
 
 
 @attrs.frozen
 class Spec:
     """A validated spec: each method's recipe, merged with the spec's [[eval]] tables and
-    overrides, as TOML-ready data (``recipes``); ``final_evals`` as raw tables."""
+    overrides, as TOML-ready data (``recipes``), the file it came from (``recipe_paths``);
+    ``final_evals`` as raw tables."""
 
     path: Path
     compare: CompareConfig
     methods: list[MethodConfig]
     recipes: dict[str, dict[str, Any]]
+    recipe_paths: dict[str, Path]
     final_evals: list[dict[str, Any]]
 
 
@@ -166,9 +170,9 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
     except ConfigError as exc:
         exc.file = exc.file or str(path)
         raise
-    recipes = {}
-    for method in methods:
-        recipe_path = (path.parent / method.recipe).resolve()
+    recipes, recipe_paths = {}, {}
+    for i, method in enumerate(methods):
+        recipe_path = resolve_recipe(path, method.recipe, f"method.{i}")
         merged = read(recipe_path)
         merged["eval"] = [*(merged.get("eval", []) if compare.eval_mode == "append" else []), *evals]
         try:
@@ -178,8 +182,25 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
             exc.file = str(recipe_path)
             raise
         validate(merged, str(recipe_path))
-        recipes[method.name] = merged
-    return Spec(path, compare, methods, recipes, final_evals)
+        recipes[method.name], recipe_paths[method.name] = merged, recipe_path
+    return Spec(path, compare, methods, recipes, recipe_paths, final_evals)
+
+
+def resolve_recipe(spec_path: Path, recipe: str, section: str) -> Path:
+    """A method's recipe file: relative to the spec file, else to the working directory (a spec
+    copied elsewhere still finds recipes named from the project's root); absolute paths as they
+    are. A ConfigError naming every place looked at when none holds it."""
+    places = [Path(recipe)] if Path(recipe).is_absolute() else [spec_path.parent / recipe, Path.cwd() / recipe]
+    for place in places:
+        if place.is_file():
+            return place.resolve()
+    where = " nor ".join(str(p) for p in dict.fromkeys(places))
+    raise ConfigError(
+        section,
+        "recipe",
+        f"no recipe file {recipe!r}: neither {where}" if len(places) > 1 else f"no recipe file {where}",
+        file=str(spec_path),
+    )
 
 
 # ---- running --------------------------------------------------------------------------------
@@ -221,14 +242,11 @@ def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> 
     """The metrics of the tabulated checkpoint: the run's final evaluation, or a new one (of
     best.pt, or by the [[final_eval]] evaluators), then also appended to its metrics.jsonl."""
     from eblvm_core.evaluate import load_run, record, run_evaluators
-    from eblvm_core.plugins import load
-    from eblvm_core.recipe import _component
 
     if task["checkpoint"] == "last" and not task["final_evals"]:
         return final
-    loaded = load_run(run_dir, task["checkpoint"], task["device"])
-    sections = [_component(f"final_eval.{i}", body, "evaluators", load()) for i, body in enumerate(task["final_evals"])]
-    result = run_evaluators(loaded, sections)
+    loaded = load_run(run_dir, task["checkpoint"], task["device"], evals=task["final_evals"] or None)
+    result = run_evaluators(loaded)
     record(loaded, attrs.evolve(result, images={}))
     return result.scalars
 
@@ -237,13 +255,13 @@ def _image(run_dir: Path, task: dict[str, Any]) -> str | None:
     """Render the method's image from the tabulated checkpoint into images/<method>.png."""
     from torchvision.utils import save_image
 
-    from eblvm_core.evaluate import default_sections, load_run, run_evaluators, sample_run
+    from eblvm_core.evaluate import evaluator_tables, load_run, run_evaluators, sample_run
 
-    loaded = load_run(run_dir, task["checkpoint"], task["device"])
     if task["image"] == "samples":
-        image = sample_run(loaded, task["n_samples"])[1]
+        image = sample_run(load_run(run_dir, task["checkpoint"], task["device"]), task["n_samples"])[1]
     else:
-        images = run_evaluators(loaded, default_sections([task["image"]])).images
+        loaded = load_run(run_dir, task["checkpoint"], task["device"], evals=evaluator_tables([task["image"]]))
+        images = run_evaluators(loaded).images
         if not images:
             return None
         image = next(iter(images.values()))
@@ -410,6 +428,8 @@ def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int =
     """Labelled images, scaled to ``height``, ``per_row`` to a row (PIL image)."""
     from PIL import Image, ImageDraw
 
+    from eblvm_core.plot import text
+
     scaled = [
         (name, im.resize((max(1, round(im.width * height / im.height)), height), Image.NEAREST)) for name, im in panels
     ]
@@ -419,9 +439,23 @@ def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int =
     draw = ImageDraw.Draw(sheet)
     for i, (name, im) in enumerate(scaled):
         x, y = 10 + cell * (i % per_row), (height + 30) * (i // per_row)
-        draw.text((x, y + 5), name, fill="black")
+        text(draw, (x, y + 5), name)
         sheet.paste(im, (x, y + 25))
     return sheet
+
+
+def curve_axis(curves: dict[str, list[tuple[int, float]]], value_range: list[float] | None) -> tuple[float, float]:
+    """The value axis (low, high) of the curve plot: the data's range, narrowed to ``value_range``
+    (curve_range) only as far as it keeps the later half of every curve in view, so early
+    excursions are clipped but a short run is never flattened onto the clip value."""
+    values = [v for c in curves.values() for _, v in c]
+    lo, hi = min(values), max(values)
+    if value_range:
+        late = [v for c in curves.values() for _, v in c[len(c) // 2 :]]
+        lo = min(max(lo, value_range[0]), min(late))
+        hi = max(min(hi, value_range[1]), max(late))
+    pad = 0.05 * (hi - lo) if hi > lo else 0.5 * max(abs(lo), 1e-3)
+    return lo - pad, hi + pad
 
 
 def _curve_plot(
@@ -431,19 +465,19 @@ def _curve_plot(
     width: int = 640,
     height: int = 360,
 ) -> Any:
-    """Line plot of each method's curve with axis ranges, a title and a legend (PIL only);
-    ``value_range`` fixes the value axis, and values outside it are drawn on its edge."""
+    """Each method's curve "<metric> vs step" on ticked axes fitted to the data (``curve_axis``),
+    with a legend (PIL only); values beyond the value axis are drawn as open triangles on its
+    edge, pointing the way they left, and counted under the title."""
     from PIL import Image, ImageDraw
 
-    left, right, top, bottom = 70, 150, 30, 40
+    from eblvm_core.plot import label, nice_ticks, text
+
+    left, right, top, bottom = 70, 150, 44, 40
     steps = [s for c in curves.values() for s, _ in c]
-    values = [v for c in curves.values() for _, v in c]
     s_lo, s_hi = min(steps), max(steps)
-    v_lo, v_hi = value_range if value_range else (min(values), max(values))
-    if v_hi == v_lo:
-        v_lo, v_hi = v_lo - 0.5, v_hi + 0.5
     if s_hi == s_lo:
         s_lo -= 1
+    v_lo, v_hi = curve_axis(curves, value_range)
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
     x0, x1, y0, y1 = left, width - right, top, height - bottom
@@ -453,18 +487,33 @@ def _curve_plot(
         value = min(max(value, v_lo), v_hi)
         return (x0 + (step - s_lo) / (s_hi - s_lo) * (x1 - x0), y1 - (value - v_lo) / (v_hi - v_lo) * (y1 - y0))
 
-    draw.text((x0, 8), f"{metric.removeprefix('eval/')} vs step", fill="black")
-    draw.text((5, y0), f"{v_hi:.3g}", fill="black")
-    draw.text((5, y1 - 10), f"{v_lo:.3g}", fill="black")
-    draw.text((x0, y1 + 8), f"{s_lo}", fill="black")
-    draw.text((x1 - 40, y1 + 8), f"{s_hi}", fill="black")
+    text(draw, (x0, 8), f"{metric.removeprefix('eval/')} vs step")
+    for t in nice_ticks(v_lo, v_hi):
+        y = at(s_lo, t)[1]
+        draw.line([x0 - 4, y, x0, y], fill="black")
+        draw.text((x0 - 8 - 6 * len(label(t)), y - 5), label(t), fill="black")
+    for t in nice_ticks(s_lo, s_hi):
+        x = at(t, v_lo)[0]
+        draw.line([x, y1, x, y1 + 4], fill="black")
+        draw.text((x - 3 * len(label(t)), y1 + 8), label(t), fill="black")
+    clipped = {"below": 0, "above": 0}
     for i, (name, curve) in enumerate(curves.items()):
         colour = PALETTE[i % len(PALETTE)]
         xy = [at(s, v) for s, v in curve]
         if len(xy) > 1:
             draw.line(xy, fill=colour, width=2)
-        for x, y in xy:
-            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
+        for (x, y), (_, v) in zip(xy, curve):
+            if v_lo <= v <= v_hi:
+                draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
+                continue
+            side = 1 if v < v_lo else -1  # triangles point down below the axis, up above it
+            clipped["below" if side > 0 else "above"] += 1
+            draw.polygon(
+                [(x - 5, y - 4 * side), (x + 5, y - 4 * side), (x, y + 5 * side)], outline=colour, fill="white"
+            )
         draw.line([x1 + 10, y0 + 10 + 16 * i, x1 + 30, y0 + 10 + 16 * i], fill=colour, width=3)
-        draw.text((x1 + 35, y0 + 4 + 16 * i), name, fill="black")
+        text(draw, (x1 + 35, y0 + 4 + 16 * i), name)
+    if clipped["below"] or clipped["above"]:
+        counts = ", ".join(f"{n} {where}" for where, n in clipped.items() if n)
+        text(draw, (x0, 24), f"clipped (triangles on the edge): {counts} the axis")
     return image

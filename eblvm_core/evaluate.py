@@ -9,7 +9,9 @@ and their images are written to RUN_DIR/eval/<name>-<key>-step<step>.png.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -20,9 +22,17 @@ from eblvm_core.build import Built, _make, build, pick_device
 from eblvm_core.config import structure
 from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
+from eblvm_core.plot import scatter
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
-from eblvm_core.trainer import CHECKPOINT_FORMAT, Trainer, best_checkpoint, check_checkpoint_recipe, json_row
+from eblvm_core.trainer import (
+    CHECKPOINT_FORMAT,
+    Trainer,
+    best_checkpoint,
+    check_checkpoint_recipe,
+    json_row,
+    set_threads,
+)
 
 
 @attrs.define
@@ -56,28 +66,39 @@ def resolve_checkpoint(run_dir: Path, which: str) -> Path:
 
 
 def load_run(
-    run_dir: str | Path, checkpoint: str = "last", device: str | None = None, overrides: list[str] = (), seed: int = 0
+    run_dir: str | Path,
+    checkpoint: str = "last",
+    device: str | None = None,
+    overrides: list[str] = (),
+    seed: int = 0,
+    evals: list[dict[str, Any]] | None = None,
 ) -> LoadedRun:
     """Rebuild the run in ``run_dir`` on ``device`` (default: the recipe's) and load a checkpoint.
 
-    The networks, the estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA
-    of each role that keeps one are restored by the trainer's own code, and the EMA weights put
-    in place; optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations
-    and samples are repeatable.
+    ``evals`` ([[eval]] tables such as ``{"kind": "ais-loglik"}``) replace the recipe's evaluators
+    before the overrides apply, so ``eval.0.n_chains=100`` sets an option of the first of them.
+    Overrides may change what a resume may change and the [sampler]. The networks, the
+    estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA of each role that
+    keeps one are restored by the trainer's own code, and the EMA weights put in place;
+    optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations and samples
+    are repeatable.
     """
     run_dir = Path(run_dir)
     recipe_path = run_dir / "recipe.toml"
     if not recipe_path.exists():
         raise EblvmError(f"{run_dir} is not a run directory: it has no recipe.toml")
-    recipe = load_recipe(recipe_path, overrides)
-    check_unchanged(load_recipe(recipe_path), recipe, "when evaluating a trained run")
+    original = load_recipe(recipe_path)
+    recipe = load_recipe(recipe_path, overrides, evals=evals)
+    check_unchanged(original, recipe, "when evaluating a trained run", also=("sampler",))
+    recipe = with_run(recipe, select_metric=None)  # nothing is selected here, whichever evaluators run
     if device is not None:
         recipe = with_run(recipe, device=device)
     path = resolve_checkpoint(run_dir, checkpoint)
     torch_device = pick_device(recipe.run.device)
     state = ckpt.read_checkpoint(path, map_location=torch_device, format=CHECKPOINT_FORMAT)
-    check_checkpoint_recipe(state, recipe, path)
+    check_checkpoint_recipe(state, original, path)
     built = build(recipe, torch_device)
+    set_threads(recipe.run.threads, torch_device, built.parts)
     trainer = Trainer(recipe, built, run_dir, echo=lambda _line: None)
     trainer.restore(state, training=False, source=path)
     trainer.use_ema()
@@ -85,30 +106,21 @@ def load_run(
     return LoadedRun(run_dir, recipe, built, trainer.step, checkpoint, seed)
 
 
-def default_sections(names: list[str]) -> list[Section]:
-    """Evaluator sections for registry ``names`` with their default configs."""
+def evaluator_tables(names: list[str]) -> list[dict[str, Any]]:
+    """[[eval]] tables ``{"kind": name}`` for registry names (a misspelt name is an error naming --evaluator)."""
     registry = load()["evaluators"]
-    sections = []
-    for name in names:
-        entry = registry.get(name, section="--evaluator")
-        sections.append(Section(f"eval {name}", entry, structure(entry.config, {}, f"eval {name}")))
-    return sections
+    return [{"kind": registry.get(name, section="--evaluator").name} for name in names]
 
 
-def run_evaluators(run: LoadedRun, sections: list[Section] | None = None) -> EvalResult:
-    """Run the recipe's evaluators, or those of ``sections``: scalars and images keyed
-    ``eval/<name>/<key>`` as in training."""
-    if sections:
-        try:
-            evaluators = [(s.kind, _make(s, run.parts)) for s in sections]
-        except ConfigError as exc:
-            exc.file = exc.file or run.recipe.path
-            raise
-    else:
-        evaluators = run.built.evaluators
+def run_evaluators(run: LoadedRun, echo: Callable[[str], None] = lambda _line: None) -> EvalResult:
+    """Run the run's evaluators: scalars and images keyed ``eval/<name>/<key>`` as in training;
+    an evaluator's ``announce`` line goes to ``echo`` before it starts."""
     scalars: dict[str, float] = {}
     images: dict[str, Tensor] = {}
-    for name, evaluator in evaluators:
+    for name, evaluator in run.built.evaluators:
+        announce = getattr(evaluator, "announce", None)
+        if announce:
+            echo(f"{name}: {announce}")
         result = evaluator(run.parts)
         scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
         images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
@@ -130,14 +142,22 @@ def record(run: LoadedRun, result: EvalResult) -> list[Path]:
     return paths
 
 
-def pick_sampler(run: LoadedRun, name: str | None = None) -> Sampler:
-    """The sampler named here, else the recipe's [sampler], else the sampler registered as the
-    default for the recipe's model kind (a sampler factory lists those kinds in its
-    ``default_for`` attribute, e.g. ``gibbs`` for ``grbm``). Named or default samplers use
-    their default configs."""
+def pick_sampler(run: LoadedRun, name: str | None = None) -> tuple[Sampler, str]:
+    """The sampler ``eblvm sample`` uses and where its settings come from: the recipe's
+    [sampler]; else the first [[eval]] that draws samples (a ``sampler`` and its
+    ``sampler_options``, as sample-grid and fid have), so that samples look as in TensorBoard;
+    else the sampler registered as the default for the model kind (a factory lists those kinds
+    in ``default_for``, e.g. ``gibbs`` for ``grbm``) with its defaults. ``name`` picks a sampler
+    by name, with the recipe's settings for it where the recipe has some."""
     registry = load()["samplers"]
-    if name is None and run.parts.sampler is not None:
-        return run.parts.sampler
+    sampler_section = run.recipe.parts.get("sampler")
+    if sampler_section is not None and name in (None, sampler_section.kind):
+        return run.parts.sampler, "[sampler]"
+    for i, section in enumerate(run.recipe.evals):
+        chosen = getattr(section.config, "sampler", None)
+        options = getattr(section.config, "sampler_options", None)
+        if isinstance(chosen, str) and isinstance(options, dict) and name in (None, chosen):
+            return _sampler(registry, chosen, options, f"eval.{i}", run), f"[eval.{i}] {section.kind}"
     if name is None:
         model_kind = run.recipe.parts["model"].kind
         candidates = [e.name for e in registry.entries() if model_kind in getattr(e.factory, "default_for", ())]
@@ -147,46 +167,29 @@ def pick_sampler(run: LoadedRun, name: str | None = None) -> Sampler:
                 f"(registered: {', '.join(registry.names()) or 'none'})"
             )
         name = candidates[0]
-    entry = registry.get(name, section="--sampler")
-    section = Section("sampler", entry, structure(entry.config, {}, "sampler"))
-    return _make(section, run.parts)
+    return _sampler(registry, name, {}, "--sampler", run), "defaults"
 
 
-def scatter_image(points: Tensor, bounds: tuple[tuple[float, float], ...] | None, size: int = 256) -> Tensor:
-    """2-D points (n, 2) drawn as dark 3×3-pixel dots on white: (3, size, size), y upwards.
-
-    ``bounds`` ((x_lo, x_hi), (y_lo, y_hi)) fixes the view (the data's box); points outside are
-    dropped. Without bounds the view spans the points with a 5% margin.
-    """
-    points = points.detach().float().cpu()
-    if bounds is None:
-        lo, hi = points.min(0).values, points.max(0).values
-        pad = 0.05 * (hi - lo).clamp_min(1e-6)
-        lo, hi = lo - pad, hi + pad
-    else:
-        lo = torch.tensor([b[0] for b in bounds], dtype=torch.float32)
-        hi = torch.tensor([b[1] for b in bounds], dtype=torch.float32)
-    pix = ((points - lo) / (hi - lo) * (size - 1)).round().long()
-    image = torch.ones(3, size, size)
-    colour = torch.tensor([0.12, 0.24, 0.55])
-    for dx in (-1, 0, 1):
-        for dy in (-1, 0, 1):
-            x, y = pix[:, 0] + dx, pix[:, 1] + dy
-            inside = (x >= 0) & (x < size) & (y >= 0) & (y < size)
-            image[:, size - 1 - y[inside], x[inside]] = colour.unsqueeze(1)
-    return image
+def _sampler(registry: Any, name: str, options: dict[str, Any], label: str, run: LoadedRun) -> Sampler:
+    """Build sampler ``name`` with ``options``; errors name ``label`` and the run's recipe."""
+    entry = registry.get(name, section=label)
+    try:
+        return _make(Section(label, entry, structure(entry.config, options, label)), run.parts)
+    except ConfigError as exc:
+        exc.file = exc.file or run.recipe.path
+        raise
 
 
 def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
-    """Samples as one image (3 or 1, H, W) in [0, 1]: a scatter for 2-D vectors, else a grid of
-    images. Image shape: the data's ``image_shape``, its stored shape, or a square side; pixel
+    """Samples as one image (3 or 1, H, W) in [0, 1]: a scatter for 2-D vectors (axes, the data's
+    bounds, every point shown: ``plot.scatter``), else a grid of images. Image shape: the data's ``image_shape``, its stored shape, or a square side; pixel
     values are mapped by the training data's range."""
     from torchvision.utils import make_grid
 
     n = len(samples)
     flat = samples.reshape(n, -1).detach().float().cpu()
     if flat.shape[1] == 2:
-        return scatter_image(flat, None if data is None else data.bounds)
+        return scatter(flat, None if data is None else data.bounds)
     shape = getattr(data, "image_shape", None) if data is not None else None
     if shape is None and data is not None and len(data.shape) >= 2:
         shape = data.shape
@@ -201,9 +204,24 @@ def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
     return make_grid(images, nrow=max(1, math.isqrt(n)), padding=2, pad_value=1.0)
 
 
-def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor]:
-    """(samples (n, *event_shape), their image) from the run's model."""
-    chosen = pick_sampler(run, sampler)
+def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor, str]:
+    """(samples (n, *event_shape), their image, where the sampler's settings come from) from the run's model."""
+    chosen, source = pick_sampler(run, sampler)
     generator = torch.Generator(device=run.parts.device).manual_seed(run.seed)
     samples = chosen.sample(run.parts.model, n, generator)
-    return samples, samples_image(samples, run.parts.data)
+    return samples, samples_image(samples, run.parts.data), source
+
+
+def save_samples(samples: Tensor, path: Path, raw: str) -> Path:
+    """The raw samples (n, *event_shape) beside the image ``path``: ``.pt`` (a float tensor on the
+    CPU, for torch.load) or ``.npy`` (for numpy.load); returns the file written."""
+    values = samples.detach().cpu()
+    if raw == "npy":
+        import numpy as np
+
+        target = path.with_suffix(".npy")
+        np.save(target, values.numpy())
+    else:
+        target = path.with_suffix(".pt")
+        torch.save(values, target)
+    return target

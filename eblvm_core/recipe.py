@@ -54,7 +54,10 @@ class RunConfig:
         "autocast precision of training steps (bf16, fp16 with a gradient scaler) for estimators that declare it safe",
     )
     threads: int = option(
-        0, "CPU threads for torch; 0 keeps torch's default (1 is fastest for small models)", non_negative
+        0,
+        "CPU threads for torch; 0 chooses: 1 on a CPU for models under 10,000 parameters (faster, the same "
+        "numbers), else torch's default",
+        non_negative,
     )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
@@ -288,9 +291,17 @@ def read(path: str | Path) -> dict[str, Any]:
         raise ConfigError("", None, f"invalid TOML: {exc}", file=file) from None
 
 
-def load_recipe(path: str | Path, overrides: list[str] = (), plugins: Loaded | None = None) -> Recipe:
-    """Read, override and validate a recipe file."""
+def load_recipe(
+    path: str | Path,
+    overrides: list[str] = (),
+    plugins: Loaded | None = None,
+    evals: list[dict[str, Any]] | None = None,
+) -> Recipe:
+    """Read, override and validate a recipe file; ``evals`` ([[eval]] tables) replace its
+    evaluators before the overrides apply."""
     raw = read(path)
+    if evals is not None:
+        raw["eval"] = [dict(table) for table in evals]
     try:
         for override in overrides:
             apply_override(raw, override)
@@ -350,13 +361,13 @@ def _split(path: str) -> tuple[str, str]:
     return section, key
 
 
-def check_unchanged(before: Recipe, after: Recipe, when: str) -> None:
+def check_unchanged(before: Recipe, after: Recipe, when: str, also: tuple[str, ...] = ()) -> None:
     """Refuse ``after`` (the run's recipe with overrides) where it differs from ``before`` outside
-    RESUMABLE: a ConfigError naming the first such key."""
+    RESUMABLE and the sections ``also``: a ConfigError naming the first such key."""
     for path, old, new in differences(before.to_dict(), after.to_dict()):
-        if not _resumable(path):
+        if not _resumable(path) and not any(path == key or path.startswith(key + ".") for key in also):
             section, key = _split(path)
-            allowed = ", ".join(RESUMABLE)
+            allowed = ", ".join((*RESUMABLE, *also))
             raise ConfigError(
                 section,
                 key,

@@ -1,9 +1,9 @@
 """What a run directory records besides checkpoints and metrics: the lock that keeps a second
 process out, ``run.json`` (provenance) and ``run.log`` (the console output).
 
-``run.json`` holds the eblvm, torch and Python versions, the device and number of processes, the
-command line, the working directory, the git commit of eblvm's checkout (when it runs from one),
-and the start, end and status of the first session and of every resume.
+``run.json`` holds the eblvm, torch and Python versions, the device, the number of processes and
+of CPU threads, the command line, the working directory, the git commit of eblvm's checkout (when
+it runs from one), and the start, end and status of the first session and of every resume.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def git_commit() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
-def session(device: str, world: int, step: int) -> dict[str, Any]:
+def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
     """Provenance of this process's session on a run, starting at ``step``."""
     import torch
 
@@ -109,6 +109,7 @@ def session(device: str, world: int, step: int) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "device": device,
         "processes": world,
+        "threads": threads,
         "git": git_commit(),
     }
 
@@ -131,8 +132,9 @@ class Provenance:
         sessions = self.data["sessions"]
         return bool(sessions) and sessions[-1].get("status") == "finished"
 
-    def start(self, device: str, world: int, step: int) -> None:
-        self.data["sessions"].append(session(device, world, step))
+    def start(self, device: str, world: int, step: int, threads: int) -> None:
+        """Open a session: device, processes and CPU threads per process, from ``step``."""
+        self.data["sessions"].append(session(device, world, step, threads))
         self.write()
 
     def end(self, status: str, step: int) -> None:

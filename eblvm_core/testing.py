@@ -700,10 +700,13 @@ def check_evaluator(evaluator: Any, parts: Parts) -> Any:
 
 
 def check_logger(logger: Any, run_dir: Path) -> None:
-    """Assert a logger accepts scalars and images and closes, writing only inside ``run_dir``."""
+    """Assert a logger accepts scalars, images and (where it records them) hyper-parameters and
+    closes, writing only inside ``run_dir``."""
     before = set(Path(run_dir).parent.iterdir())
     logger.log_scalars(1, {"train/loss": 0.5})
     logger.log_images(1, {"eval/x/image": torch.rand(3, 4, 4)})
+    if hasattr(logger, "log_hparams"):
+        logger.log_hparams({"model.n_hidden": 4, "optim.model.lr": 1e-3, "model.kind": "grbm"}, {"eval/x/y": 0.5})
     logger.close()
     assert set(Path(run_dir).parent.iterdir()) <= before | {Path(run_dir)}, (
         "a logger must write inside its run directory"

@@ -25,6 +25,7 @@ from torch import Tensor
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
+from eblvm_core.contracts import Parts
 from eblvm_core.data import Batches
 from eblvm_core.errors import (
     CheckpointError,
@@ -41,6 +42,22 @@ from eblvm_core.rundir import Provenance, RunLock, RunLog
 CHECKPOINT_FORMAT = 3  # 3: a checksum and the training part of the recipe; 2 (neither) still loads
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
+
+
+SMALL_MODEL = 10_000  # parameters below which one CPU thread is fastest (docs/benchmarks.md)
+
+
+def set_threads(threads: int, device: torch.device, parts: Parts) -> int:
+    """Set torch's CPU threads and return the number in use: ``threads`` when > 0 ([run] threads);
+    for 0, one thread on a CPU when the networks hold fewer than SMALL_MODEL parameters (a tiny
+    model's steps are many tiny operations, which a second thread only slows: 3-10x on 2 busy
+    cores, to the same bits; docs/benchmarks.md), else the current setting."""
+    if threads == 0 and device.type == "cpu":
+        size = sum(p.numel() for net in parts.networks().values() for p in net.parameters())
+        threads = 1 if size < SMALL_MODEL else 0
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def json_row(step: int, scalars: dict[str, float], **extra: Any) -> str:
@@ -103,6 +120,7 @@ class Trainer:
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
         self.stop_signal: str | None = None  # set by SIGINT/SIGTERM: checkpoint and stop after this step
+        self.bar: Any = None  # the tqdm progress bar while fit() shows one (on a terminal)
         names = {
             id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
         }
@@ -239,14 +257,21 @@ class Trainer:
         scalars: dict[str, float] = {}
         images: dict[str, Tensor] = {}
         devices = [self.parts.device] if self.parts.device.type == "cuda" else []
+        start = time.perf_counter()
         with self.ema_weights(), distributed.local():
             for name, evaluator in self.built.evaluators:
+                announce = getattr(evaluator, "announce", None)
+                if announce:
+                    self.say(f"step {self.step}: {name}: {announce}")
                 with torch.random.fork_rng(devices=devices):
                     result = evaluator(self.parts)
                 scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
                 images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
         if scalars or images:
             self.record(scalars, images)
+        if scalars and self.step < self.recipe.run.steps:  # the final evaluation is printed by the caller
+            values = "  ".join(f"{k.removeprefix('eval/')} {v:.5g}" for k, v in scalars.items())
+            self.say(f"eval step {self.step}: {values}  ({time.perf_counter() - start:.1f} s)")
         bad = {k: v for k, v in scalars.items() if not math.isfinite(v)}
         if bad:
             key, value = next(iter(bad.items()))
@@ -272,6 +297,14 @@ class Trainer:
         if math.isfinite(value) and improved:
             self.best = value
             ckpt.save_atomic(ckpt.seal(self.state()), best_checkpoint(self.run_dir))
+
+    def say(self, line: str) -> None:
+        """Echo a line (and write it to run.log) without breaking the progress bar."""
+        if self.bar is None:
+            self.echo(line)
+            return
+        with self.bar.external_write_mode():
+            self.echo(line)
 
     # ---- the NaN guard -------------------------------------------------------------------
     def _diverged(self, what: str, step: int | None = None) -> TrainingDiverged:
@@ -342,18 +375,21 @@ class Trainer:
         )
 
     def fit(self) -> dict[str, float]:
+        """Train to [run] steps, then evaluate. Log steps record the mean metrics, learning rates,
+        gradient norms and ``speed/steps_per_s`` (training steps per second since the last log
+        step, evaluations and checkpoints excluded) and print a line with an ETA."""
         run = self.recipe.run
-        bar = None
         if self.rank == 0 and sys.stderr.isatty():
             from tqdm import tqdm
 
-            bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
+            self.bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
         precision = AUTOCAST.get(run.precision)
         autocast = (
             (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
         )
         sums: dict[str, Any] = defaultdict(float)
-        count, tick = 0, time.perf_counter()
+        count, tick, paused = 0, time.perf_counter(), 0.0  # paused: seconds of evaluations and checkpoints
+        session_start, first_step = tick, self.step
         loss_ok: Tensor | bool = True
         try:
             while self.step < run.steps:
@@ -379,10 +415,10 @@ class Trainer:
                 for k, v in metrics.items():
                     sums[k] = sums[k] + (v.detach().float() if isinstance(v, Tensor) else float(v))
                 count += 1
-                if bar is not None:
-                    bar.update(1)
+                if self.bar is not None:
+                    self.bar.update(1)
                     if not isinstance(loss, Tensor):
-                        bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+                        self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
                 log_now = self.step % run.log_every == 0 or self.step == run.steps
                 save_now = self.step % run.checkpoint_every == 0 or self.step == run.steps
                 if log_now or save_now:
@@ -398,23 +434,41 @@ class Trainer:
                         if getattr(opt, "grad_norm_count", 0):
                             means[f"train/grad_norm/{role}"] = float(opt.grad_norm_sum) / opt.grad_norm_count
                             opt.grad_norm_sum, opt.grad_norm_count = 0.0, 0
-                    rate = count / max(time.perf_counter() - tick, 1e-9)
+                    now = time.perf_counter()
+                    rate = count / max(now - tick - paused, 1e-9)
+                    means["speed/steps_per_s"] = rate
                     self.record(means)
-                    if bar is None:
-                        self.echo(
-                            f"step {self.step}/{run.steps}  loss {means.get('train/loss', float('nan')):.5g}  ({rate:.1f} it/s)"
-                        )
+                    if self.bar is None:
+                        loss_mean = means.get("train/loss", float("nan"))
+                        line = f"step {self.step}/{run.steps}  loss {loss_mean:.5g}  ({rate:.1f} it/s"
+                        if self.step < run.steps:  # the ETA counts evaluations and checkpoints too
+                            left = (now - session_start) / (self.step - first_step) * (run.steps - self.step)
+                            line += f", ETA {duration(left)}"
+                        self.echo(line + ")")
                     sums.clear()
-                    count, tick = 0, time.perf_counter()
+                    count, tick, paused = 0, now, 0.0
+                pause = time.perf_counter()
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
                     self.evaluate()
                 if save_now:
                     self.save()
+                paused += time.perf_counter() - pause
                 self._stop_if_asked(log_now or save_now, save_now)
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
         return self.evaluate()
+
+
+def duration(seconds: float) -> str:
+    """Seconds as '42s', '3m05s' or '2h07m'."""
+    seconds = round(seconds)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def run(
@@ -455,8 +509,6 @@ def run(
     except ConfigError as exc:
         exc.file = exc.file or recipe.path
         raise
-    if recipe.run.threads:
-        torch.set_num_threads(recipe.run.threads)
     with distributed.process_group(torch_device) as torch_device:
         return _train(recipe, torch_device, out, resume, echo)
 
@@ -559,6 +611,7 @@ def _train(
                 return run_dir, {}
         ckpt.seed_everything(recipe.run.seed)
         built = build(recipe, device)
+        threads = set_threads(recipe.run.threads, device, built.parts)
         trainer = Trainer(recipe, built, Path(resume or "."), echo)
         if rank:
             ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
@@ -568,7 +621,7 @@ def _train(
         if resume is None:
             run_dir = Path(_on_rank0(lambda: _new_run_dir(out, recipe.run.name, locks)))
         trainer.run_dir = run_dir
-        return _fit(recipe, trainer, built, run_dir, device, resume, echo, build_loggers)
+        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, build_loggers)
     finally:
         for lock in locks:
             lock.release()
@@ -615,6 +668,7 @@ def _fit(
     built: Built,
     run_dir: Path,
     device: torch.device,
+    threads: int,
     resume: str | Path | None,
     echo: Callable[[str], None],
     build_loggers: Callable[[Recipe, Path], list[Any]],
@@ -630,7 +684,7 @@ def _fit(
                 _write_recipe(recipe, run_dir)
                 if resume is not None:
                     _clean_metrics(run_dir, trainer.step, trainer.step == recipe.run.steps)
-                provenance.start(str(device), world, trainer.step)
+                provenance.start(str(device), world, trainer.step, threads)
                 built.loggers = build_loggers(recipe, run_dir)
         except BaseException as exc:
             if resume is None and rank == 0:
@@ -647,7 +701,8 @@ def _fit(
             log(f"resuming {run_dir} at step {trainer.step}")
         else:
             processes = f", {world} processes" if world > 1 else ""
-            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{processes})")
+            cpu = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else ""
+            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{cpu}{processes})")
         try:
             with stop_on_signals(trainer):
                 results = trainer.fit()
@@ -664,6 +719,9 @@ def _fit(
         if rank == 0:
             for key, value in results.items():
                 log.write(f"{key.removeprefix('eval/')}: {value:.6g}")
+            for logger in built.loggers:
+                if hasattr(logger, "log_hparams"):
+                    logger.log_hparams(hyperparameters(recipe), results)
         return run_dir, results
     except BaseException as exc:
         if isinstance(exc, TrainingDiverged):
@@ -681,6 +739,25 @@ def _fit(
         if provenance is not None:
             with contextlib.suppress(OSError):
                 provenance.end(status, trainer.step)
+
+
+def hyperparameters(recipe: Recipe) -> dict[str, float | int | str | bool]:
+    """The resolved recipe but its [[eval]] and [[log]] lists, flattened to dotted keys
+    (``"optim.model.lr": 0.001``, ``"optim.model.schedule.kind": "constant"``); lists become JSON text."""
+    flat: dict[str, float | int | str | bool] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif isinstance(value, (bool, int, float, str)):
+                flat[name] = value
+            elif value is not None:
+                flat[name] = json.dumps(value)
+
+    walk({k: v for k, v in recipe.to_dict().items() if k not in ("eval", "log")}, "")
+    return flat
 
 
 def _kept(trainer: Trainer) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits
@@ -119,9 +120,115 @@ def test_sample_writes_an_image(cli, tiny_run, tmp_path):
     path = tmp_path / "s.png"
     result = cli(["sample", tiny_run, "-n", "50", "--out", path, "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert Image.open(path).size == (256, 256)
+    assert Image.open(path).size[0] > 256 and torch.load(tmp_path / "s.pt").shape == (50, 2)
     assert cli(["sample", tiny_run, "-n", "5", "--checkpoint", "best"]).exit_code == 0
-    assert (tiny_run / "samples.png").is_file()
+    assert (tiny_run / "samples.png").is_file() and (tiny_run / "samples.pt").is_file()
+    result = cli(["sample", tiny_run, "--out", tmp_path / "s.npy"])
+    assert result.exit_code == 2 and "name an image file" in result.output
+
+
+FREY_GRID = """
+log = []
+
+[run]
+name = "frey"
+seed = 0
+steps = 4
+batch_size = 10
+
+[data]
+kind = "freyface"
+root = "ROOT"
+n_train = 20
+n_val = 10
+n_test = 10
+
+[model]
+kind = "grbm"
+n_hidden = 3
+init_sigma = 0.3
+init_weight_std = 0.5
+
+[objective]
+kind = "dsm"
+sigma = 0.3
+
+[estimator]
+kind = "exact-score"
+
+[optim.model]
+kind = "adam"
+lr = 1e-3
+
+[[eval]]
+kind = "sample-grid"
+n = 4
+sampler_options = { final_mean = true, burn_in = 5 }
+"""
+
+
+def test_sample_uses_the_recipes_sampler_settings_and_saves_the_raw_samples(cli, write_recipe, tmp_path):
+    """With the sample-grid's final_mean = true every sample is a mean of p(v|h), b + σ²Wh for one of
+    the 2^3 hidden states, as in TensorBoard; -o final_mean=false gives noisy draws instead. The raw
+    samples (.pt, .npy) are the image's, (n, 1, 28, 20), and equal for one seed."""
+    import itertools
+
+    import numpy as np
+
+    from tests.test_images import frey_images, write_frey
+
+    write_frey(tmp_path / "frey", frey_images(40))
+    out = tmp_path / "runs"
+    recipe = write_recipe(FREY_GRID.replace("ROOT", str(tmp_path / "frey")))
+    assert cli(["run", recipe, "--out", out, "--device", "cpu"]).exit_code == 0
+    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
+    result = cli(["sample", run_dir, "-n", "6", "--out", tmp_path / "a.png"])
+    assert result.exit_code == 0 and "[eval.0] sample-grid" in result.output, result.output
+    samples = torch.load(tmp_path / "a.pt")
+    assert samples.shape == (6, 1, 28, 20) and (tmp_path / "a.png").is_file()
+    model = ckpt.load(run_dir / "checkpoints" / "last.pt")["networks"]["model"]
+    sigma = model["log_sigma"].exp()
+    states = torch.tensor(list(itertools.product([0.0, 1.0], repeat=3)))  # (8, 3)
+    means = model["b"] + sigma**2 * states @ model["W"].T  # (8, 560): E[v|h] with the plain coupling
+    distance = torch.cdist(samples.reshape(6, 560).double(), means.double()).min(1).values
+    assert distance.max() < 1e-4
+
+    result = cli(
+        [
+            "sample",
+            run_dir,
+            "-n",
+            "6",
+            "--out",
+            tmp_path / "b.png",
+            "--raw",
+            "npy",
+            "-o",
+            "eval.0.sampler_options.final_mean=false",
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    noisy = torch.from_numpy(np.load(tmp_path / "b.npy"))
+    assert noisy.shape == (6, 1, 28, 20)
+    assert torch.cdist(noisy.reshape(6, 560).double(), means.double()).min(1).values.min() > 0.3 * math.sqrt(560) / 2
+
+    again = cli(["sample", run_dir, "-n", "6", "--out", tmp_path / "c.png", "--raw", "npy"])
+    assert again.exit_code == 0 and torch.equal(torch.from_numpy(np.load(tmp_path / "c.npy")), samples)
+    refused = cli(["sample", run_dir, "-o", "model.n_hidden=5"])
+    assert refused.exit_code == 2 and "[model] n_hidden" in refused.output and "cannot change" in refused.output
+
+
+def test_eval_options_address_the_named_evaluators(cli, tiny_run):
+    """-e replaces the recipe's [[eval]] list, so eval.0 is the first -e: AIS with 7 chains has an
+    effective sample size of at most 7 (the default 2,000 chains would give far more)."""
+    result = cli(["eval", tiny_run, "-e", "ais-loglik", "-e", "exact-loglik", "-o", "eval.0.n_chains=7"])
+    assert result.exit_code == 0, result.output
+    out = scalars(result.output)
+    assert 1 <= out["ais-loglik/log_z_ess"] <= 7 and "exact-loglik/test_loglik" in out
+    assert "AIS: 7 chains × 2,000 temperatures" in result.output  # announced before it starts
+    result = cli(["eval", tiny_run, "-e", "exact-loglik", "-o", "eval.0.n_chains=7"])
+    assert result.exit_code == 2 and "[eval.0] n_chains" in result.output  # exact-loglik has no n_chains
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_command_errors_are_one_line(cli, tiny_run, tmp_path):
@@ -143,11 +250,32 @@ def test_select_metric_must_be_reported(cli, write_recipe, tmp_path):
 
 
 def test_samples_image_layouts():
-    from eblvm_core.evaluate import samples_image, scatter_image
+    from eblvm_core.evaluate import samples_image
+    from eblvm_core.plot import BOUNDS_COLOUR, LEFT, TOP, framed
 
-    image = scatter_image(torch.tensor([[0.9, 0.9]]), ((0.0, 1.0), (0.0, 1.0)), size=100)
-    dark = (image[0] < 0.5).nonzero()
-    assert len(dark) == 9 and dark[:, 0].max() < 15 and dark[:, 1].min() > 85  # top right: y points up
+    panel = torch.zeros(3, 10, 12)
+    _image, origins = framed([("a", panel), ("b", panel + 1)], ((0.0, 1.0), (0.0, 1.0)))
+    assert torch.equal(_image[:, origins[1][1] : origins[1][1] + 10, origins[1][0] : origins[1][0] + 12], panel + 1)
+    assert origins[0] == (LEFT, TOP)
+
+    def dots(image: Tensor, colour: tuple[float, ...]) -> Tensor:
+        return ((image - torch.tensor(colour)[:, None, None]).abs().max(0).values < 0.02).nonzero()
+
+    box = ((0.0, 1.0), (0.0, 1.0))
+    image = samples_image(
+        torch.tensor([[0.9, 0.9], [0.1, 0.1], [40.0, 0.5]]),
+        DataSplits(train=torch.rand(5, 2), test=torch.rand(5, 2), bounds=box),
+    )
+    inside = dots(image, (0.12, 0.24, 0.55))
+    assert len(inside) == 18  # two 3×3 dots: the far point is not among them ...
+    far = dots(image, tuple(c / 255 for c in BOUNDS_COLOUR))
+    outline = far[:, 1].max()  # ... it is drawn in red at the right edge of the view, right of the bounds' red box
+    assert ((far[:, 1] == outline).sum() == 3) and outline > inside[:, 1].max() + 50
+    top_right, bottom_left = (
+        inside[inside[:, 1] > inside[:, 1].float().mean()],
+        inside[inside[:, 1] < inside[:, 1].float().mean()],
+    )
+    assert top_right[:, 0].max() < bottom_left[:, 0].min()  # y points up
     faces = DataSplits(train=torch.rand(10, 1, 28, 20), test=torch.rand(2, 1, 28, 20))
     grid = samples_image(torch.rand(16, 1, 28, 20), faces)
     assert grid.shape == (3, 4 * 28 + 5 * 2, 4 * 20 + 5 * 2) and 0 <= grid.min() and grid.max() <= 1
@@ -332,6 +460,58 @@ def test_compare_spec_errors_name_the_file(cli, tmp_path):
     assert result.exit_code == 2 and "grbm_cd.toml" in result.output and "[estimator] kk" in result.output
 
 
+def test_a_copied_spec_finds_its_recipes_from_the_working_directory(cli, tmp_path, monkeypatch):
+    """The bundled checkerboard spec, copied elsewhere, finds recipes/... from the project's root; a
+    recipe beside the spec wins; a recipe found in neither place is one line naming both."""
+    import shutil
+
+    from eblvm_core.compare import load_spec
+
+    root = RECIPES.parent
+    copy = tmp_path / "mine" / "spec.toml"
+    copy.parent.mkdir()
+    shutil.copy(RECIPES / "compare" / "checkerboard.toml", copy)
+    monkeypatch.chdir(root)
+    spec = load_spec(copy)
+    assert spec.recipe_paths["DSM"] == RECIPES / "grbm_dsm.toml" and len(spec.methods) == 12
+    assert cli(["validate", copy]).exit_code == 0
+    beside = copy.parent / "recipes" / "grbm_dsm.toml"
+    beside.parent.mkdir()
+    beside.write_text((RECIPES / "grbm_dsm.toml").read_text().replace("steps = 20000", "steps = 7"))
+    spec = load_spec(copy)
+    assert spec.recipe_paths["DSM"] == beside.resolve() and spec.recipes["DSM"]["run"]["steps"] == 7
+    monkeypatch.chdir(tmp_path)
+    result = cli(["compare", copy, "--steps", "1"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1
+    line = result.output.strip()
+    assert f"{copy}: [method.1] recipe: no recipe file 'recipes/grbm_ssm.toml'" in line
+    assert (
+        str(copy.parent / "recipes" / "grbm_ssm.toml") in line and str(tmp_path / "recipes" / "grbm_ssm.toml") in line
+    )
+
+
+def test_curve_axis_fits_the_data_and_marks_clipping():
+    """A short run entirely below curve_range keeps its later half in view (not flattened onto the
+    clip value); earlier excursions are clipped and drawn as triangles; no range fits everything."""
+    from eblvm_core.compare import _curve_plot, curve_axis
+    from eblvm_core.plot import from_pil
+
+    curves = {"short": [(1, -3.0), (2, -1.5), (3, -1.2), (4, -1.1)], "long": [(1, -0.9), (2, 0.1), (3, 0.2), (4, 0.3)]}
+    lo, hi = curve_axis(curves, [-0.6, 0.7])
+    assert -1.5 < lo < -1.2 and 0.3 < hi < 0.7  # the later half (-1.2, -1.1) in view, -3 and -1.5 clipped
+    lo, hi = curve_axis(curves, None)
+    assert -3.5 < lo < -3.0 and 0.3 < hi < 0.5  # the whole range and a 5% margin
+    image = from_pil(_curve_plot(curves, "eval/x", [-0.6, 0.7]))
+    blue = ((image * 255 - torch.tensor([31, 119, 180])[:, None, None]).abs().max(0).values < 10).nonzero()
+    rows = blue[blue[:, 1] < 640 - 150][:, 0]  # the plot area, not the legend
+    assert rows.max() - rows.min() > 30  # the short run is not a flat line (that spans 2-4 pixels)
+    assert (rows > 360 - 40).sum() > 4  # clipped points: triangles reaching below the frame's bottom edge
+
+    plain = from_pil(_curve_plot(curves, "eval/x"))
+    blue = ((plain * 255 - torch.tensor([31, 119, 180])[:, None, None]).abs().max(0).values < 10).nonzero()
+    assert not (blue[blue[:, 1] < 640 - 150][:, 0] > 360 - 40).any()  # nothing clipped without a range
+
+
 @pytest.mark.parametrize("name", ["grbm_cd", "grbm_pcd", "grbm_nce", "grbm_vnce"])
 def test_baseline_recipes_validate(name):
     from eblvm_core.recipe import load_recipe
@@ -341,8 +521,10 @@ def test_baseline_recipes_validate(name):
 
 
 @pytest.mark.parametrize("spec", sorted(p.name for p in (RECIPES / "compare").glob("*.toml")))
-def test_comparison_specs_validate(spec):
+def test_comparison_specs_validate(spec, monkeypatch):
     from eblvm_core.compare import load_spec
+
+    monkeypatch.chdir(RECIPES.parent)  # specs may name recipes from the project's root
 
     loaded = load_spec(RECIPES / "compare" / spec)
     assert len(loaded.methods) >= 2

@@ -8,11 +8,12 @@ import pytest
 import torch
 from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
 from eblvm_grbm.model import GRBM
-from eblvm_metrics.density import GAP, DensityPlotConfig, build_density_plot, colormap, histogram
+from eblvm_metrics.density import DensityPlotConfig, build_density_plot, histogram
 from torch import Tensor
 
 from eblvm_core.contracts import DataSplits, EnergyModel, EvalResult, Parts
 from eblvm_core.errors import ConfigError
+from eblvm_core.plot import GAP, LEFT, TOP, colormap
 
 
 def grbm(d: int, m: int, sigma: float, seed: int = 0, weight_std: float = 0.6) -> GRBM:
@@ -119,10 +120,43 @@ def test_density_plot_image_and_grid_mass():
     parts = parts_for(model, data)
     result = build_density_plot(DensityPlotConfig(grid=60, bins=20), parts)(parts)
     image = result.images["density"]
-    assert image.shape == (3, 60, 2 * 60 + GAP)
+    assert image.shape[1] > 72 and image.shape[2] > 2 * 72 + GAP  # two 72-pixel panels (60 + 2 × 6 margin)
     assert image.min() >= 0 and image.max() <= 1
     assert set(result.scalars) == {"grid_mass"}
     assert result.scalars["grid_mass"] == pytest.approx(1.0, abs=2e-3)
+
+
+def panel(image: Tensor, n: int, i: int = 0) -> Tensor:
+    """The i-th n × n panel of a density figure (plot.framed's layout)."""
+    left = LEFT + i * (n + GAP)
+    return image[:, TOP : TOP + n, left : left + n]
+
+
+def test_density_plot_shows_the_data_beyond_its_bounds_on_one_colour_scale():
+    """The view reaches margin × width beyond the bounds: data points there appear in the data panel
+    (not dropped); the bounds are a red box; the colour bar runs from 0 (bottom) up."""
+    from eblvm_core.plot import BOUNDS_COLOUR
+
+    model = GRBM(2, 1, init_sigma=0.3).double()
+    test = torch.full((100, 2), 0.5, dtype=torch.float64)
+    test[:10] = torch.tensor([1.15, 0.5], dtype=torch.float64)  # outside the unit box, inside the 20% margin
+    data = DataSplits(train=test, test=test, bounds=BOX)
+    parts = parts_for(model, data)
+    image = build_density_plot(DensityPlotConfig(grid=50, bins=50, margin=0.2), parts)(parts).images["density"]
+    n = 70  # 50 cells over the box and 10 beyond it on each side
+    hist = panel(image, n, 1)
+    lit = (hist - colormap(torch.zeros(1, 1))[:, 0, 0, None, None]).abs().sum(0) > 0.1
+    rows, cols = lit.nonzero().T
+    red = torch.tensor(BOUNDS_COLOUR) / 255
+    box = ((hist - red[:, None, None]).abs().max(0).values < 2 / 255).nonzero()
+    assert box[:, 1].min() in (9, 10) and box[:, 1].max() in (59, 60)  # the bounds: cells 10..59
+    inside = lit & ~((hist - red[:, None, None]).abs().max(0).values < 2 / 255)
+    found = {(int(r), int(c)) for r, c in inside.nonzero()}
+    assert (34, 67) in found and (34, 35) in found  # x = 1.15 (cell 67) and the centre (cell 35), y = 0.5
+    bar_left = LEFT + 2 * (n + GAP)
+    bar = image[:, TOP : TOP + n, bar_left + 2]
+    assert torch.allclose(bar[:, 0], colormap(torch.ones(1, 1))[:, 0, 0].float(), atol=0.02)  # top: the highest
+    assert torch.allclose(bar[:, -1], colormap(torch.zeros(1, 1))[:, 0, 0].float(), atol=0.02)  # bottom: 0
 
 
 def test_density_plot_grid_mass_is_the_mass_inside_the_box():
@@ -153,10 +187,10 @@ def test_density_plot_draws_y_upwards():
         train=torch.rand(10, 2, dtype=torch.float64), test=torch.rand(10, 2, dtype=torch.float64), bounds=BOX
     )
     parts = parts_for(model, data)
-    image = build_density_plot(DensityPlotConfig(grid=20), parts)(parts).images["density"]
-    brightness = image[:, :, :20].sum(0)
-    row, col = divmod(int(brightness.argmax()), 20)
-    assert (row, col) == (2, 2)
+    image = build_density_plot(DensityPlotConfig(grid=20, margin=0.1), parts)(parts).images["density"]
+    brightness = panel(image, 24).sum(0)  # 20 cells over the box, 2 beyond it on each side
+    row, col = divmod(int(brightness.argmax()), 24)
+    assert (row, col) == (2 + 2, 2 + 2)
 
 
 def test_density_plot_omits_grid_mass_without_log_partition():
@@ -165,7 +199,7 @@ def test_density_plot_omits_grid_mass_without_log_partition():
     )
     parts = parts_for(FreeEnergyOnly(), data)
     result = build_density_plot(DensityPlotConfig(grid=16), parts)(parts)
-    assert result.scalars == {} and result.images["density"].shape == (3, 16, 32 + GAP)
+    assert result.scalars == {} and result.images["density"].shape[2] > 2 * 20 + GAP
 
 
 def test_histogram_is_a_density():

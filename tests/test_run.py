@@ -54,7 +54,21 @@ def test_short_run_writes_run_directory(cli, write_recipe, tmp_path):
     tags = events.Tags()
     assert {"train/loss", "train/grad_norm/model", "lr/model", "eval/exact-loglik/test_loglik"} <= set(tags["scalars"])
     assert [s.step for s in events.Scalars("train/loss")] == [10, 20, 30]
+    assert [s.step for s in events.Scalars("speed/steps_per_s")] == [10, 20, 30]
     assert "eval/density-plot/density" in tags["images"]
+
+    # the HPARAMS dashboard: the resolved recipe's hyper-parameters, the final metrics by tag
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    content = events.PluginTagToContent("hparams")
+    data = {tag: plugin_data_pb2.HParamsPluginData.FromString(raw) for tag, raw in content.items()}
+    (experiment,) = [d.experiment for d in data.values() if d.HasField("experiment")]
+    assert {m.name.tag for m in experiment.metric_infos} == set(final[-1]) - {"step"}
+    (start,) = [d.session_start_info for d in data.values() if d.HasField("session_start_info")]
+    hparams = start.hparams
+    assert hparams["model.n_hidden"].number_value == 4 and hparams["run.seed"].number_value == 7
+    assert hparams["estimator.kind"].string_value == "exact-score"
+    assert not any(key.startswith(("eval.", "log.")) for key in hparams)
 
 
 def test_seed_is_chosen_and_written_back(cli, write_recipe, tmp_path):
@@ -185,3 +199,49 @@ def test_the_readme_recipe_is_the_main_job():
     root = Path(__file__).resolve().parents[1]
     (block,) = re.findall(r"```toml\n(\[run\].*?)```", (root / "README.md").read_text(), flags=re.S)
     assert tomllib.loads(block) == tomllib.loads((root / "recipes" / "grbm_bissm.toml").read_text())
+
+
+def test_the_console_shows_evaluations_as_they_run(cli, write_recipe, tmp_path):
+    """Each evaluation before the end prints its results; a long one announces itself first; log
+    lines before the last carry an ETA; a tiny model on a CPU gets one thread."""
+    text = SMALL_RECIPE.replace("checkpoint_every = 10", "checkpoint_every = 10\neval_every = 20")
+    text += '\n[[eval]]\nkind = "ais-loglik"\nn_chains = 30\nn_reverse_chains = 20\nn_temps = 40\n'
+    result = cli(["run", write_recipe(text), "--out", tmp_path / "runs", "--device", "cpu", "-o", "run.threads=0"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "1 CPU thread)" in lines[0]
+    assert "step 20: ais-loglik: AIS: 30 chains × 40 temperatures forward, 20 chains back…" in lines
+    assert sum("ais-loglik: AIS: 30 chains" in line for line in lines) == 2  # at step 20 and at the end
+    (evaluated,) = [line for line in lines if line.startswith("eval step 20: ")]
+    row = next(r for r in metrics(only_run_dir(tmp_path / "runs")) if r["step"] == 20 and "eval/ais-loglik/log_z" in r)
+    assert f"exact-loglik/test_loglik {row['eval/exact-loglik/test_loglik']:.5g}" in evaluated
+    assert f"ais-loglik/log_z {row['eval/ais-loglik/log_z']:.5g}" in evaluated
+    steps = [line for line in lines if line.startswith("step ") and "loss" in line]
+    assert [("ETA " in line) for line in steps] == [True, True, False]  # not on the last
+    assert json.loads((only_run_dir(tmp_path / "runs") / "run.json").read_text())["sessions"][0]["threads"] == 1
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_threads_are_chosen_by_model_size():
+    """[run] threads = 0: one thread on a CPU below SMALL_MODEL parameters, torch's setting above it
+    and on other devices; a positive value is used as it is."""
+    from torch import nn
+
+    from eblvm_core.contracts import Parts
+    from eblvm_core.trainer import SMALL_MODEL, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        small, large = Parts(), Parts()
+        small.model = nn.Linear(10, 10)
+        large.model = nn.Linear(SMALL_MODEL, 1)  # SMALL_MODEL + 1 parameters
+        assert set_threads(0, torch.device("cpu"), large) == 2
+        assert set_threads(0, torch.device("meta"), small) == 2
+        assert set_threads(0, torch.device("cpu"), small) == 1
+        assert set_threads(3, torch.device("cpu"), small) == 3
+    finally:
+        torch.set_num_threads(before)

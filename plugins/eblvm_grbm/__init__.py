@@ -1,5 +1,9 @@
 """GRBM plugin: the Gaussian RBM model, its samplers, likelihood evaluators and baselines."""
 
+import functools
+from collections.abc import Callable
+
+from eblvm_core.contracts import EvalResult, Parts
 from eblvm_core.hookspecs import hookimpl
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
@@ -16,10 +20,20 @@ def register_models(register):
     register("grbm", build_grbm, GRBMConfig)
 
 
+@functools.wraps(build_ais_loglik)
+def build_announced_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+    # AIS can take minutes: the trainer and `eblvm eval` print this line before it starts.
+    evaluate = build_ais_loglik(cfg, parts)
+    evaluate.announce = (
+        f"AIS: {cfg.n_chains:,} chains × {cfg.n_temps:,} temperatures forward, {cfg.n_reverse_chains:,} chains back…"
+    )
+    return evaluate
+
+
 @hookimpl
 def register_evaluators(register):
     register("exact-loglik", build_exact_loglik, ExactLoglikConfig)
-    register("ais-loglik", build_ais_loglik, AISLoglikConfig)
+    register("ais-loglik", build_announced_ais_loglik, AISLoglikConfig)
     register("score-loss", build_score_loss, ScoreLossConfig)
     register("posterior-kl", build_posterior_kl, PosteriorKLConfig)
 

@@ -9,19 +9,10 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
+from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
-
-# anchor colours of a viridis-like map, from low (dark purple) to high (yellow)
-ANCHORS = (
-    (0.267, 0.005, 0.329),
-    (0.231, 0.322, 0.545),
-    (0.129, 0.569, 0.549),
-    (0.369, 0.788, 0.384),
-    (0.993, 0.906, 0.144),
-)
-GAP = 4  # white pixels between the two panels
+from eblvm_core.plot import colormap, framed
 
 
 @attrs.frozen
@@ -30,22 +21,17 @@ class DensityPlotConfig:
     bins: int = option(50, "histogram bins per axis for the data panel", positive)
     split: Literal["test", "train", "val"] = option("test", "data split drawn in the histogram")
     chunk: int = option(10000, "grid points per free-energy evaluation", positive)
+    margin: float = option(
+        0.1,
+        "view beyond the data's bounds on each side, as a fraction of their width (the bounds are a red box)",
+        non_negative,
+    )
 
 
-def colormap(values: Tensor) -> Tensor:
-    """Values (H, W) in [0, 1] -> RGB (3, H, W) in [0, 1], linear between the anchor colours."""
-    anchors = torch.tensor(ANCHORS, dtype=values.dtype, device=values.device)  # (K, 3)
-    pos = values.clamp(0, 1) * (len(anchors) - 1)
-    low = pos.floor().long().clamp(max=len(anchors) - 2)
-    frac = (pos - low).unsqueeze(-1)
-    rgb = anchors[low] * (1 - frac) + anchors[low + 1] * frac  # (H, W, 3)
-    return rgb.permute(2, 0, 1)
-
-
-def to_image(density: Tensor) -> Tensor:
-    """A density on the grid (n_x, n_y), x along dim 0 -> (3, n_y, n_x), y increasing upwards."""
-    scaled = density / density.max().clamp_min(torch.finfo(density.dtype).tiny)
-    return colormap(scaled.T.flip(0))
+def to_image(density: Tensor, high: float) -> Tensor:
+    """A density on the grid (n_x, n_y), x along dim 0 -> (3, n_y, n_x) coloured from 0 to ``high``
+    (above: the top colour), y upwards."""
+    return colormap((density / high).T.flip(0))
 
 
 def grid_centres(bounds: tuple[tuple[float, float], ...], n: int, like: Tensor) -> tuple[Tensor, float]:
@@ -88,12 +74,21 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
 
+    k = round(cfg.margin * cfg.grid)  # grid cells beyond the bounds on each side
+    cells = [(hi - lo) / cfg.grid for lo, hi in data.bounds]
+    view = tuple((lo - k * c, hi + k * c) for (lo, hi), c in zip(data.bounds, cells))
+    n = cfg.grid + 2 * k
+    bins = round(cfg.bins * n / cfg.grid)  # histogram bins of the same width as over the bounds
+
     @reporting(["grid_mass"] if callable(getattr(model, "log_partition", None)) else [])
     def evaluate(parts: Parts) -> EvalResult:
-        """{"density": (3, grid, 2·grid + gap)} and, when the model has log Z, {"grid_mass"}."""
+        """{"density": (3, H, W)}: the model density exp(−F) normalised on the grid beside a histogram
+        of the data, on one colour scale from 0 to the model's highest density (bar at the right;
+        data above it in the top colour), axes in data units, the data's bounds as a red box; when
+        the model has log Z, {"grid_mass"}: its mass inside the bounds."""
         model, data = parts.model, parts.data
         with torch.no_grad():
-            points, area = grid_centres(data.bounds, cfg.grid, data.tensor("train", 1))
+            points, area = grid_centres(view, n, data.tensor("train", 1))
             log_p = torch.cat([-model.free_energy(chunk) for chunk in points.split(cfg.chunk)])
             scalars = {}
             if callable(getattr(model, "log_partition", None)):
@@ -102,11 +97,20 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
                 except ValueError:  # too many hidden units to enumerate: no mass reported
                     pass
                 else:
-                    scalars["grid_mass"] = float((log_p - log_z).exp().sum() * area)
-            density = torch.softmax(log_p, 0).reshape(cfg.grid, cfg.grid) / area
-            hist = histogram(data.tensor(cfg.split), data.bounds, cfg.bins, cfg.grid)
-            gap = torch.ones(3, cfg.grid, GAP, dtype=density.dtype, device=density.device)
-            image = torch.cat([to_image(density), gap, to_image(hist)], -1)
-        return EvalResult(scalars=scalars, images={"density": image.float().cpu()})
+                    inside = (log_p - log_z).exp().reshape(n, n)[k : k + cfg.grid, k : k + cfg.grid]
+                    scalars["grid_mass"] = float(inside.sum() * area)
+            density = torch.softmax(log_p, 0).reshape(n, n) / area
+            hist = histogram(data.tensor(cfg.split), view, bins, n)
+            high = max(float(density.max()), torch.finfo(density.dtype).tiny)  # data above it: the top colour
+            image, _ = framed(
+                [
+                    ("model density", to_image(density, high).float().cpu()),
+                    (f"data ({cfg.split})", to_image(hist, high).float().cpu()),
+                ],
+                view,
+                data.bounds,
+                colour_range=(0.0, high),
+            )
+        return EvalResult(scalars=scalars, images={"density": image})
 
     return evaluate

@@ -100,6 +100,7 @@ class FID:
     def __init__(self, cfg: FIDConfig, sampler: Sampler, data_key: str):
         self.cfg, self.sampler, self.data_key = cfg, sampler, data_key
         self.network: nn.Module | None = None
+        self.announce = f"FID: {cfg.n:,} samples by {cfg.sampler} against {cfg.split} images, Inception features…"
 
     def features(
         self, images: Callable[[int, int], Tensor], n: int, device: torch.device, low: float, high: float

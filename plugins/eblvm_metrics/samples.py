@@ -76,4 +76,6 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
             images["trajectory"] = make_grid(unit(chains), nrow=k, padding=cfg.padding, pad_value=1.0)
         return EvalResult(images=images)
 
+    options = ", ".join(f"{k} = {v}" for k, v in cfg.sampler_options.items())
+    evaluate.announce = f"{cfg.n} samples by {cfg.sampler}" + (f" ({options})" if options else "") + "…"
     return evaluate

@@ -19,7 +19,8 @@ class TensorBoardConfig:
 
 
 class TensorBoardLogger(Logger):
-    """Writes scalars (losses, learning rates, gradient norms, evaluator results) and images."""
+    """Writes scalars (losses, learning rates, gradient norms, steps per second, evaluator results),
+    images, and the hyper-parameters with the final metrics (the HPARAMS dashboard)."""
 
     def __init__(self, cfg: TensorBoardConfig, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
@@ -33,6 +34,14 @@ class TensorBoardLogger(Logger):
     def log_images(self, step: int, images: dict[str, Tensor]) -> None:
         for key, image in images.items():
             self.writer.add_image(key, image.detach().float().cpu().clamp(0, 1), step, dataformats="CHW")
+
+    def log_hparams(self, hparams: dict[str, float | int | str | bool], metrics: dict[str, float]) -> None:
+        """The HPARAMS dashboard's record of this run: its hyper-parameters, and the final metrics
+        by tag (their values are the scalars logged under those tags)."""
+        from torch.utils.tensorboard.summary import hparams as summaries
+
+        for summary in summaries(hparams, metrics):
+            self.writer.file_writer.add_summary(summary)
 
     def close(self) -> None:
         self.writer.flush()
