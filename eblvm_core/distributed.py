@@ -61,8 +61,13 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
     try:
         yield device
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # every rank past its last collective before any tears the group down: a rank that exits while
+    # a peer's gloo threads still talk to it can abort at interpreter exit
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @contextlib.contextmanager
