@@ -335,3 +335,19 @@ def test_evaluator_refusals():
         build_ais_loglik(AISLoglikConfig(n_temps=1), Parts(data=data, model=model))
     with pytest.raises(ConfigError, match="needs a GRBM"):
         build_ais_loglik(AISLoglikConfig(), Parts(data=data, model=torch.nn.Linear(2, 2)))  # type: ignore[arg-type]
+
+
+def test_exact_loglik_standard_error_is_the_spread_of_the_mean_over_independent_test_sets():
+    """The reported standard error predicts how much the mean moves from one test set to another
+    (60 independent test sets of 400 points; any i.i.d. source will do)."""
+    model = random_grbm(d=2, m=3, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    means, stderrs = [], []
+    for _ in range(60):
+        v = 1.5 * torch.randn(400, 2, generator=gen, dtype=torch.float64)
+        parts = Parts(dtype=torch.float64, data=DataSplits(train=v, test=v), model=model)
+        out = build_exact_loglik(ExactLoglikConfig(), parts)(parts).scalars
+        means.append(out["test_loglik"])
+        stderrs.append(out["test_loglik_stderr"])
+    spread = torch.tensor(means).std().item()
+    assert 0.7 < spread / (sum(stderrs) / len(stderrs)) < 1.35, (spread, stderrs[:3])

@@ -21,7 +21,8 @@ class ExactLoglikConfig:
 
 
 def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Mean exact log p(v) in nats, enumerating the 2^m hidden states for log Z."""
+    """Mean exact log p(v) in nats, enumerating the 2^m hidden states for log Z, and its standard
+    error over the split's points (sample sd / √n: the test set's own sampling error)."""
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not (callable(getattr(model, "log_partition", None)) and model.has_free_energy and model.latent is not None):
@@ -41,16 +42,19 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     key = f"{cfg.split}_loglik"
 
-    @reporting([key])
+    @reporting([key, f"{key}_stderr"])
     def evaluate(parts: Parts) -> EvalResult:
         model, v = parts.model, parts.data.tensor(cfg.split)
         with torch.no_grad():
             log_z = model.log_partition(cfg.max_hidden)
-            total = sum(
-                float((-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).sum())
-                for chunk in v.split(cfg.batch_size)
+            loglik = torch.cat(
+                [
+                    (-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).double()
+                    for chunk in v.split(cfg.batch_size)
+                ]
             )
-        return EvalResult(scalars={key: total / len(v)})
+        stderr = float(loglik.std() / len(loglik) ** 0.5) if len(loglik) > 1 else float("nan")
+        return EvalResult(scalars={key: float(loglik.mean()), f"{key}_stderr": stderr})
 
     return evaluate
 
