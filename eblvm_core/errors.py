@@ -10,6 +10,18 @@ class EblvmError(Exception):
 
     exit_code = 2
 
+    def __reduce__(self) -> tuple:
+        """Pickle by state, whatever the constructor takes: an error raised in a worker process
+        (``eblvm compare --jobs N``) reaches the parent intact and prints as one line there."""
+        return _restore, (type(self), self.args, self.__dict__)
+
+
+def _restore(cls: type[EblvmError], args: tuple, state: dict) -> EblvmError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class ConfigError(EblvmError):
     """A recipe value is wrong. ``file`` is filled in by the recipe loader when known.

@@ -404,7 +404,8 @@ def test_a_degenerate_model_whose_evaluation_is_nan_stops_with_exit_3(cli, write
     rows = [json.loads(r, parse_constant=refuse) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
     final = rows[-1]
     assert final["eval/exact-loglik/test_loglik"] is None and final["nonfinite"] == {
-        "eval/exact-loglik/test_loglik": "nan"
+        "eval/exact-loglik/test_loglik": "nan",
+        "eval/exact-loglik/test_loglik_stderr": "nan",
     }
     assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["status"] == "diverged"
 
@@ -517,3 +518,44 @@ def test_the_run_directory_records_provenance_and_the_console_log(cli, run_copy)
     log = (run_copy / "run.log").read_text()
     assert "run directory:" in log and f"resuming {run_copy} at step 30" in log
     assert "step 40/40" in log and "exact-loglik/test_loglik:" in log
+
+
+def test_errors_survive_pickling_so_a_worker_process_error_prints_as_one_line(cli, tmp_path):
+    """Every user-facing error crosses a process boundary intact (str, exit code, fields); under
+    ``compare --jobs 2`` a run that fails in a worker ends in the same one line as without workers."""
+    import pickle
+
+    from eblvm_core import errors
+
+    made = [
+        errors.ConfigError("data", "root", "not found", file="r.toml"),
+        errors.DataError("no such folder", key="root"),
+        errors.CheckpointError("last.pt", "checksum mismatch"),
+        errors.TrainingDiverged("loss is nan"),
+        errors.Interrupted("stopped"),
+        errors.FileSystemError("read-only"),
+    ]
+    for error in made:
+        copy = pickle.loads(pickle.dumps(error))
+        assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__
+        assert copy.exit_code == error.exit_code
+    spec = tmp_path / "spec.toml"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "freyface_dsm.toml"
+    spec.write_text(f'[compare]\nname = "x"\nmetrics = []\n\n[[method]]\nname = "DSM"\nrecipe = "{recipe}"\n')
+    args = [
+        "compare",
+        spec,
+        "--seeds",
+        "2",
+        "--jobs",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        tmp_path / "out",
+        "--device",
+        "cpu",
+    ]
+    result = cli([*args, "-o", f'data.root="{tmp_path / "missing"}"'])
+    assert result.exit_code == 2 and "missing" in result.output, result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 2, result.output
