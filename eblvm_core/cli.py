@@ -241,14 +241,18 @@ def compare(
     out: Path | None = typer.Option(None, help="results folder (default results/<name>)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
+    only: list[str] = typer.Option(
+        [], "--only", help="train only this method (repeatable); the table still shows every method run so far"
+    ),
 ) -> None:
-    """Run a set of recipes over seeds; write a Markdown table, a figure and results.json."""
+    """Run a set of recipes over seeds; write a Markdown table, a figure and results.json.
+    Running it again resumes: finished runs are not rerun, killed ones continue."""
     _check_device(device)
 
     def go() -> None:
         from eblvm_core.compare import compare as run_compare
 
-        folder = run_compare(spec, seeds, jobs, steps, out, device, override, echo=typer.echo)
+        folder = run_compare(spec, seeds, jobs, steps, out, device, override, echo=typer.echo, only=only)
         typer.echo(f"done: {folder}")
 
     guarded(go)

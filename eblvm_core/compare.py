@@ -6,7 +6,12 @@ processes) and summarise them in a results folder:
   plot, or model samples) above the learning curves of one metric from metrics.jsonl;
 - ``results.json``: every run's directory, seed, time and tabulated metrics;
 - ``recipes/`` (each method's recipe as run), ``runs/`` (run directories), ``logs/`` (console
-  output of each run).
+  output of each run), ``done/`` (each finished run's tabulated result).
+
+Running the same command again resumes: a run whose ``done/`` record matches its recipe is not
+rerun, a run directory left by a killed comparison continues from its last checkpoint (also
+when only ``run.steps`` grew, so a 20,000-step comparison extends to 100,000), anything else
+starts afresh.
 
 It lives in the core because it drives the trainer, which plugins must not import.
 
@@ -19,6 +24,7 @@ A spec::
     curve = "eval/exact-loglik/test_loglik"        # learning-curve metric ("" for none)
     image = "density-plot"                         # evaluator whose first image is shown, "samples", or ""
     checkpoint = "last"                            # or "best" (the recipes' [run] select_metric)
+    table_steps = [10000, 100000]                  # also tabulate the curve metric at these steps
     overrides = ["run.eval_every=1000"]            # applied to every method
 
     [[method]]
@@ -44,7 +50,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +105,9 @@ class CompareConfig:
         "append", "the spec's [[eval]] tables extend or replace each recipe's [[eval]] list"
     )
     overrides: list[str] = option([], "overrides applied to every method's recipe")
+    table_steps: list[int] = option(
+        [], "steps at which the table also gives the curve metric (mean ± std over seeds, from metrics.jsonl)"
+    )
 
 
 @attrs.frozen
@@ -152,6 +161,10 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
                 unknown[0], None, "unknown section; a spec has [compare], [[method]], [[eval]] and [[final_eval]]"
             )
         compare = structure(CompareConfig, raw.get("compare", {}), "compare")
+        if compare.table_steps and not compare.curve:
+            raise ConfigError("compare", "table_steps", "needs a curve metric: set curve")
+        if any(step < 1 for step in compare.table_steps):
+            raise ConfigError("compare", "table_steps", f"steps must be positive, got {compare.table_steps}")
         if compare.curve_range is not None and not (
             len(compare.curve_range) == 2 and compare.curve_range[0] < compare.curve_range[1]
         ):
@@ -224,7 +237,10 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
             log.write(line + "\n")
             log.flush()
 
-        run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo)
+        if task["resume"]:
+            run_dir, final = train(None, task["resume_overrides"], task["device"], resume=task["resume"], echo=echo)
+        else:
+            run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo)
     seconds = time.perf_counter() - start
     final = _tabulated(run_dir, task, final)
     image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
@@ -244,7 +260,11 @@ def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> 
     from eblvm_core.evaluate import load_run, record, run_evaluators
 
     if task["checkpoint"] == "last" and not task["final_evals"]:
-        return final
+        if final:
+            return final
+        # a resumed run that had already finished: its last evaluation row holds the final one
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
     loaded = load_run(run_dir, task["checkpoint"], task["device"], evals=task["final_evals"] or None)
     result = run_evaluators(loaded)
     record(loaded, attrs.evolve(result, images={}))
@@ -271,6 +291,75 @@ def _image(run_dir: Path, task: dict[str, Any]) -> str | None:
     return str(path)
 
 
+# ---- resuming a comparison ------------------------------------------------------------------
+
+
+def fingerprint(task: dict[str, Any]) -> str:
+    """What decides a run's tabulated result: its resolved recipe and how it is tabulated."""
+    from eblvm_core.recipe import load_recipe
+
+    resolved = load_recipe(task["recipe"], task["overrides"]).to_dict()
+    what = {key: task[key] for key in ("checkpoint", "final_evals", "image", "n_samples")}
+    return json.dumps({"recipe": resolved, **what}, sort_keys=True, default=str)
+
+
+PATHS = ("run_dir", "image")  # result entries stored relative to the results folder
+
+
+def done_record(task: dict[str, Any], out: Path) -> dict[str, Any] | None:
+    """The result recorded in done/ by an earlier comparison for this very task, else None."""
+    path = Path(task["done"])
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        result = {k: str(out / v) if k in PATHS and v is not None else v for k, v in saved["result"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if saved.get("fingerprint") != task["fingerprint"] or not Path(result["run_dir"]).is_dir():
+        return None
+    return result
+
+
+def write_done_record(task: dict[str, Any], result: dict[str, Any], out: Path) -> None:
+    """Record a finished task atomically (a killed comparison never leaves half a record), its
+    paths relative to ``out`` so a results folder can be moved or merged with another."""
+    relative = {k: os.path.relpath(v, out) if k in PATHS and v is not None else v for k, v in result.items()}
+    path = Path(task["done"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fingerprint": task["fingerprint"], "result": relative}, indent=2))
+    os.replace(tmp, path)
+
+
+WHERE = ("run.device", "run.threads")  # where a run trains, not what it trains: a run may move
+
+
+def unfinished_run(task: dict[str, Any]) -> tuple[Path, list[str]] | None:
+    """(run directory, overrides) to continue: the task's newest run directory with a checkpoint
+    whose recipe equals the task's but for the device and thread count (the task's are used) and
+    a smaller run.steps; else None."""
+    from eblvm_core.recipe import differences, load_recipe
+
+    runs = Path(task["out"]) / task["name"]
+    candidates = sorted(d for d in runs.iterdir() if d.is_dir()) if runs.is_dir() else []
+    for run_dir in reversed(candidates):
+        if not (run_dir / "checkpoints" / "last.pt").is_file() or not (run_dir / "recipe.toml").is_file():
+            continue
+        try:
+            had = load_recipe(run_dir / "recipe.toml").to_dict()
+        except ConfigError:
+            return None
+        wanted = load_recipe(task["recipe"], task["overrides"]).to_dict()
+        changed = [(path, old, new) for path, old, new in differences(had, wanted) if path not in WHERE]
+        if not changed:
+            return run_dir, []
+        if [path for path, _, _ in changed] == ["run.steps"] and changed[0][2] > changed[0][1]:
+            return run_dir, [f"run.steps={changed[0][2]}"]
+        return None
+    return None
+
+
 def compare(
     spec_path: str | Path,
     seeds: int | None = None,
@@ -280,15 +369,23 @@ def compare(
     device: str | None = None,
     overrides: list[str] = (),
     echo: Callable[[str], None] = print,
+    only: list[str] = (),
 ) -> Path:
     """Run the spec's methods over seeds and write table.md, figure.png and results.json into
     ``out`` (default results/<name>); returns that folder. ``steps`` sets run.steps of every
-    method (quick or smoke runs); ``overrides`` apply to every method after the spec's."""
+    method (quick or smoke runs); ``overrides`` apply to every method after the spec's; ``only``
+    names the methods to train (the others are tabulated from earlier runs in ``out``, if any)."""
     import tomli_w
 
     extra = list(overrides) + ([f"run.steps={steps}"] if steps is not None else [])
     spec = load_spec(spec_path, extra)
     cfg = spec.compare
+    unknown = [name for name in only if name not in spec.recipes]
+    if unknown:
+        names = ", ".join(spec.recipes)
+        raise ConfigError(
+            "method", "name", f"--only {unknown[0]!r} is not a method of the spec ({names})", file=str(spec.path)
+        )
     n_seeds = seeds if seeds is not None else cfg.seeds
     out = Path(out) if out is not None else Path("results") / cfg.name
     (out / "recipes").mkdir(parents=True, exist_ok=True)
@@ -299,38 +396,64 @@ def compare(
         recipe_path.write_text(tomli_w.dumps(spec.recipes[method.name]))
         for i in range(n_seeds):
             seed = cfg.seed_offset + i
-            tasks.append(
-                {
-                    "method": method.name,
-                    "seed": seed,
-                    "first_seed": i == 0,
-                    "device": device,
-                    "recipe": str(recipe_path),
-                    "out": str(out / "runs"),
-                    "threads": threads,
-                    "overrides": [f"run.seed={seed}", f"run.name={slug(method.name)}-seed{seed}"],
-                    "log": str(out / "logs" / f"{slug(method.name)}-seed{seed}.log"),
-                    "checkpoint": cfg.checkpoint,
-                    "final_evals": spec.final_evals,
-                    "image": cfg.image,
-                    "n_samples": cfg.n_samples,
-                    "images_dir": str(out / "images"),
-                }
-            )
+            name = f"{slug(method.name)}-seed{seed}"
+            task = {
+                "method": method.name,
+                "seed": seed,
+                "name": name,
+                "first_seed": i == 0,
+                "device": device,
+                "recipe": str(recipe_path),
+                "out": str(out / "runs"),
+                "threads": threads,
+                "overrides": [f"run.seed={seed}", f"run.name={name}"],
+                "log": str(out / "logs" / f"{name}.log"),
+                "done": str(out / "done" / f"{name}.json"),
+                "checkpoint": cfg.checkpoint,
+                "final_evals": spec.final_evals,
+                "image": cfg.image,
+                "n_samples": cfg.n_samples,
+                "images_dir": str(out / "images"),
+                "resume": None,
+                "resume_overrides": [],
+            }
+            task["fingerprint"] = fingerprint(task)
+            tasks.append(task)
     echo(f"compare {spec.path}: {len(spec.methods)} methods × {n_seeds} seeds, {jobs} job(s), results in {out}")
-    results = []
+    by_index: dict[int, dict[str, Any]] = {}
+    pending = []
+    for index, task in enumerate(tasks):
+        earlier = done_record(task, out)
+        if earlier is not None:
+            echo(f"  {task['method']} seed {task['seed']}: done earlier, not rerun  {earlier['run_dir']}")
+            by_index[index] = earlier
+            continue
+        if only and task["method"] not in only:
+            continue
+        unfinished = unfinished_run(task)
+        if unfinished is not None:
+            task["resume"], task["resume_overrides"] = str(unfinished[0]), unfinished[1]
+            echo(f"  {task['method']} seed {task['seed']}: continuing {unfinished[0]}")
+        pending.append(index)
 
-    def done(result: dict[str, Any]) -> None:
+    def done(index: int, result: dict[str, Any]) -> None:
+        write_done_record(tasks[index], result, out)
         echo(f"  {result['method']} seed {result['seed']}: {result['seconds']:.1f} s  {result['run_dir']}")
-        results.append(result)
+        by_index[index] = result
 
-    if jobs > 1:
+    if jobs > 1 and len(pending) > 1:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for result in pool.map(run_one, tasks):
-                done(result)
+            futures = {pool.submit(run_one, tasks[index]): index for index in pending}
+            try:
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)
+                raise
     else:
-        for task in tasks:
-            done(run_one(task))
+        for index in pending:
+            done(index, run_one(tasks[index]))
+    results = [by_index[index] for index in sorted(by_index)]
     (out / "results.json").write_text(
         json.dumps(
             {"spec": str(spec.path), "seeds": n_seeds, "steps": steps, "overrides": extra, "runs": results}, indent=2
@@ -361,15 +484,23 @@ def mean_std(values: list[float]) -> str:
 
 
 def markdown_table(spec: Spec, results: list[dict[str, Any]]) -> str:
-    """One row per method: each metric's mean ± std over seeds, and the mean wall time per run."""
-    metrics = spec.compare.metrics
-    header = ["method", *(m.removeprefix("eval/") for m in metrics), "seeds", "time per run (s)"]
+    """One row per method: each metric's mean ± std over seeds, the curve metric at each of
+    ``table_steps`` (from metrics.jsonl), and the mean wall time per run."""
+    metrics, cfg = spec.compare.metrics, spec.compare
+    at_steps = [f"{cfg.curve.removeprefix('eval/')} at step {step:,}" for step in cfg.table_steps]
+    header = ["method", *(m.removeprefix("eval/") for m in metrics), *at_steps, "seeds", "time per run (s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in spec.methods:
         runs = [r for r in results if r["method"] == method.name]
+        if not runs:
+            lines.append("| " + " | ".join([method.name, *["not run"] * (len(header) - 3), "0", "n/a"]) + " |")
+            continue
         cells = [method.name]
         for metric in metrics:
             cells.append(mean_std([r["final"][metric] for r in runs if metric in r["final"]]))
+        curves = [dict(learning_curve(r["run_dir"], cfg.curve)) for r in runs] if cfg.table_steps else []
+        for step in cfg.table_steps:
+            cells.append(mean_std([curve[step] for curve in curves if step in curve]))
         cells += [str(len(runs)), f"{statistics.fmean(r['seconds'] for r in runs):.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

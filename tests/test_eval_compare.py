@@ -381,6 +381,79 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
     assert (out / "recipes" / "CD.toml").is_file() and len(list((out / "logs").iterdir())) == 4
 
 
+def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
+    """The first comparison finishes CD, gets DSM to step 10 of 20 and is killed. Run again, it
+    reuses CD's recorded result without training it, continues DSM from its checkpoint to the
+    same parameters and numbers as an uninterrupted run, and tabulates the curve at given steps."""
+    from eblvm_core import compare as comparison
+    from eblvm_core.trainer import run as train
+
+    spec = write_spec(
+        tmp_path,
+        f"""
+        [compare]
+        name = "resumable"
+        seeds = 1
+        metrics = ["eval/exact-loglik/test_loglik"]
+        curve = "eval/exact-loglik/test_loglik"
+        table_steps = [10, 20]
+        overrides = ["run.eval_every=10", "run.checkpoint_every=10", "data.n_train=500", "data.n_test=200"]
+
+        [[method]]
+        name = "CD"
+        recipe = "{RECIPES / "grbm_cd.toml"}"
+
+        [[method]]
+        name = "DSM"
+        recipe = "{RECIPES / "grbm_dsm.toml"}"
+        """,
+    )
+    out = tmp_path / "results"
+    real_run_one, trained = comparison.run_one, []
+
+    def killed_at_dsm_step_10(task):
+        trained.append(task["method"])
+        if task["method"] == "DSM":
+            train(task["recipe"], [*task["overrides"], "run.steps=10"], "cpu", task["out"], echo=lambda _: None)
+            raise KeyboardInterrupt
+        return real_run_one(task)
+
+    monkeypatch.setattr(comparison, "run_one", killed_at_dsm_step_10)
+    with pytest.raises(KeyboardInterrupt):
+        comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
+    assert trained == ["CD", "DSM"] and not (out / "results.json").exists()
+
+    def counted(task):
+        trained.append(task["method"])
+        return real_run_one(task)
+
+    monkeypatch.setattr(comparison, "run_one", counted)
+    lines: list[str] = []
+    comparison.compare(spec, steps=20, out=out, device="cpu", echo=lines.append)
+    assert trained == ["CD", "DSM", "DSM"], trained  # CD was not trained again
+    assert any("CD seed 0: done earlier" in line for line in lines) and any("continuing" in line for line in lines)
+    runs = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert [len(list((out / "runs" / name).iterdir())) for name in ("CD-seed0", "DSM-seed0")] == [1, 1]
+    resumed = ckpt.load(Path(runs["DSM"]["run_dir"]) / "checkpoints" / "last.pt")
+    assert resumed["step"] == 20
+
+    straight_dir, straight = train(
+        out / "recipes" / "DSM.toml", ["run.seed=0", "run.name=straight"], "cpu", tmp_path / "x", echo=lambda _: None
+    )
+    uninterrupted = ckpt.load(straight_dir / "checkpoints" / "last.pt")
+    for key, value in uninterrupted["networks"]["model"].items():
+        assert torch.equal(resumed["networks"]["model"][key], value), key
+    loglik = "eval/exact-loglik/test_loglik"
+    assert runs["DSM"]["final"][loglik] == straight[loglik]
+    row = next(line for line in (out / "table.md").read_text().splitlines() if line.startswith("| DSM |"))
+    at_10 = dict(comparison.learning_curve(straight_dir, loglik))[10]
+    assert row.split(" | ")[2:4] == [f"{at_10:.4g}", f"{straight[loglik]:.4g}"], row
+
+    trained.clear()  # a third time: nothing left to train
+    comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
+    assert trained == []
+
+
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:
     validation-selected best.pt, re-evaluated by the [[final_eval]] evaluators, sample images."""
