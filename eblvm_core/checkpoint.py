@@ -137,12 +137,14 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore ``rng_state()``; its tensors may come on any device (a checkpoint read with
+    ``map_location="cuda"``): the generators take CPU byte tensors."""
+    torch.set_rng_state(state["torch"].cpu())
     random.setstate(_as_tuple(state["python"]))
     kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 def _as_tuple(x: Any) -> Any:

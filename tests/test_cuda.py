@@ -123,3 +123,21 @@ def test_the_digits_recipes_train_on_cuda(recipe, tmp_path):
     overrides = ["run.steps=20", "run.log_every=10", "run.eval_every=0"]
     _, results = run(RECIPES / recipe, overrides, device="cuda", out=tmp_path, echo=lambda _: None)
     assert all(math.isfinite(value) for value in results.values()), results
+
+
+@pytest.mark.parametrize("recipe", ["grbm_bissm.toml", "grbm_pcd.toml"])
+def test_a_run_resumed_on_cuda_ends_where_the_uninterrupted_run_does(recipe, tmp_path):
+    """The checkpoint is read onto the GPU; its RNG states must still reach the CPU generators,
+    and the resumed run must end bit-identical to the run that never stopped."""
+    from eblvm_core import checkpoint as ckpt
+
+    quiet = lambda _: None  # noqa: E731
+    common = ["run.log_every=10", "run.eval_every=40", "run.checkpoint_every=20"]
+    straight, _ = run(RECIPES / recipe, [*common, "run.steps=40"], device="cuda", out=tmp_path / "a", echo=quiet)
+    half, _ = run(RECIPES / recipe, [*common, "run.steps=20"], device="cuda", out=tmp_path / "b", echo=quiet)
+    resumed, _ = run(None, ["run.steps=40"], device="cuda", resume=half, echo=quiet)
+    a, b = ckpt.load(last_checkpoint(straight)), ckpt.load(last_checkpoint(resumed))
+    assert b["step"] == 40
+    for name, tensors in a["networks"].items():
+        for key, value in tensors.items():
+            assert torch.equal(b["networks"][name][key], value), (name, key)
