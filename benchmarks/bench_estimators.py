@@ -53,6 +53,11 @@ FREY = [
     ("BiDSM (K=5, N=5, sgd)", "freyface_bidsm.toml", ['estimator.unroll="sgd"']),
     ("VaGES-DSM (L=2, K=5)", "freyface_vagesdsm.toml", []),
 ]
+# between the two: Frey face data with few hidden units, where the GPU starts to pay (device = "auto")
+MIDDLE = [
+    ("exact-score DSM, h = 20", "freyface_dsm.toml", ["model.n_hidden=20"]),
+    ("BiDSM (K=5, N=5, adam), h = 20", "freyface_bidsm.toml", ["model.n_hidden=20"]),
+]
 NO_EVAL = ["run.log_every=1"]
 
 
@@ -122,13 +127,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
+    parser.add_argument(
+        "--sizes", nargs="+", choices=["checkerboard", "middle", "frey"], default=["checkerboard", "frey"]
+    )
     args = parser.parse_args()
 
     cells: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         frey = frey_stand_in(Path(tmp))
-        specs = [("checkerboard", n, r, o, args.block) for n, r, o in CHECKERBOARD]
-        specs += [("Frey size", n, r, o + [f'data.root="{frey}"'], args.frey_block) for n, r, o in FREY]
+        root = [f'data.root="{frey}"']
+        specs = [("checkerboard", n, r, o, args.block) for n, r, o in CHECKERBOARD] * ("checkerboard" in args.sizes)
+        specs += [("Frey data, h = 20", n, r, o + root, args.block) for n, r, o in MIDDLE] * ("middle" in args.sizes)
+        specs += [("Frey size", n, r, o + root, args.frey_block) for n, r, o in FREY] * ("frey" in args.sizes)
         for threads in args.threads:
             torch.set_num_threads(threads)
             cases = [

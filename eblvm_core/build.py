@@ -26,8 +26,19 @@ class Built:
     schedules: dict[str, Schedule] = attrs.field(factory=dict)
 
 
+# device = "auto" trains on the GPU only from this many trainable parameters (all roles together).
+# Below, a training step is a few hundred tiny kernel launches and one CPU core is faster: on an
+# H100 host (docs/benchmarks.md) a 16-parameter checkerboard GRBM steps 2.4x faster on one CPU
+# thread, a Frey-face GRBM with 20 hidden units (24,000 parameters with its posterior) 1.1-1.7x,
+# while with 400 hidden units (450,000) the GPU is 1.6-2.5x faster; the GPU's step time hardly
+# grows with size, the CPU's does, and the two cross near 60,000-120,000.
+AUTO_GPU_MIN_PARAMETERS = 100_000
+
+
 def pick_device(choice: str) -> torch.device:
-    """The torch device of ``[run] device``; a ConfigError when it is not available here."""
+    """The torch device of ``[run] device``; a ConfigError when it is not available here.
+    "auto" gives CUDA when there is one (the trainer then keeps small models on the CPU:
+    ``prefers_cpu``)."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice.startswith("cuda"):
@@ -41,6 +52,13 @@ def pick_device(choice: str) -> torch.device:
     if choice == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("run", "device", "mps requested but it is not available")
     return torch.device(choice)
+
+
+def prefers_cpu(parts: Parts) -> int | None:
+    """The trainable parameter count when it is below AUTO_GPU_MIN_PARAMETERS (the CPU is then
+    faster than a GPU for this model), else None."""
+    count = sum(p.numel() for net in parts.networks().values() for p in net.parameters() if p.requires_grad)
+    return count if count < AUTO_GPU_MIN_PARAMETERS else None
 
 
 TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")

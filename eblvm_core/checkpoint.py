@@ -147,6 +147,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
+def to_device(obj: Any, device: torch.device) -> Any:
+    """A checkpoint (or any nest of dicts, lists and tuples) with every tensor moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {key: to_device(value, device) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(item, device) for item in obj)
+    return obj
+
+
 def _as_tuple(x: Any) -> Any:
     return tuple(_as_tuple(i) for i in x) if isinstance(x, (list, tuple)) else x
 

@@ -141,3 +141,20 @@ def test_a_run_resumed_on_cuda_ends_where_the_uninterrupted_run_does(recipe, tmp
     for name, tensors in a["networks"].items():
         for key, value in tensors.items():
             assert torch.equal(b["networks"][name][key], value), (name, key)
+
+
+def test_device_auto_trains_the_checkerboard_grbm_on_the_cpu_and_frey_face_on_the_gpu(tmp_path):
+    import json
+
+    quiet = lambda _: None  # noqa: E731
+    small, _ = run(RECIPES / "grbm_bissm.toml", ["run.steps=5"], device="auto", out=tmp_path, echo=quiet)
+    write_frey(tmp_path, frey_images(1965))
+    large, _ = run(
+        RECIPES / "freyface_dsm.toml",
+        ["run.steps=5", f'data.root="{tmp_path}"', "eval.1.n_chains=50", "eval.1.n_temps=50"],
+        device="auto",
+        out=tmp_path,
+        echo=quiet,
+    )
+    devices = [json.loads((d / "run.json").read_text())["sessions"][0]["device"] for d in (small, large)]
+    assert devices[0] == "cpu" and devices[1].startswith("cuda"), devices

@@ -245,3 +245,29 @@ def test_threads_are_chosen_by_model_size():
         assert set_threads(3, torch.device("cpu"), small) == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_device_auto_keeps_models_below_the_measured_size_on_the_cpu():
+    """The trainable parameters of every role are counted (frozen ones are not); a GRBM with a
+    posterior at Frey-face size with 400 hidden units is above the threshold, with 20 below."""
+    from eblvm_core.build import AUTO_GPU_MIN_PARAMETERS, prefers_cpu
+    from eblvm_core.testing import tiny_grbm_setup
+
+    def grbm_with_posterior(d: int, m: int):
+        return tiny_grbm_setup(d=d, m=m, n=4).parts
+
+    small = grbm_with_posterior(2, 4)
+    expected = sum(p.numel() for net in (small.model, small.posterior) for p in net.parameters())
+    assert prefers_cpu(small) == expected
+    small.posterior.requires_grad_(False)
+    assert prefers_cpu(small) == expected - sum(p.numel() for p in small.posterior.parameters())
+    assert prefers_cpu(grbm_with_posterior(560, 20)) is not None
+    frey = grbm_with_posterior(560, 400)
+    assert prefers_cpu(frey) is None and sum(p.numel() for p in frey.model.parameters()) > AUTO_GPU_MIN_PARAMETERS
+
+
+def test_a_checkpoint_moves_to_a_device_whole():
+    state = {"a": torch.ones(2), "b": [torch.zeros(1), (torch.ones(1), 3)], "c": "x"}
+    moved = ckpt.to_device(state, torch.device("meta"))
+    assert moved["a"].is_meta and moved["b"][0].is_meta and moved["b"][1][0].is_meta
+    assert isinstance(moved["b"][1], tuple) and moved["b"][1][1] == 3 and moved["c"] == "x"
