@@ -264,7 +264,8 @@ def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> 
             return final
         # a resumed run that had already finished: its last evaluation row holds the final one
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        return {k: v for k, v in rows[-1].items() if k.startswith("eval/")} if rows else {}
+        evals = [r for r in rows if "checkpoint" not in r and any(k.startswith("eval/") for k in r)]
+        return {k: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
     loaded = load_run(run_dir, task["checkpoint"], task["device"], evals=task["final_evals"] or None)
     result = run_evaluators(loaded)
     record(loaded, attrs.evolve(result, images={}))

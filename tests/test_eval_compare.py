@@ -453,6 +453,14 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
     assert trained == []
 
+    # killed after CD finished but before its record was written: CD is "continued" (nothing to
+    # train) and tabulated from its final evaluation
+    (out / "done" / "CD-seed0.json").unlink()
+    comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
+    again = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
+    assert trained == ["CD"] and again["CD"]["final"][loglik] == runs["CD"]["final"][loglik]
+    assert len(list((out / "runs" / "CD-seed0").iterdir())) == 1
+
 
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:
