@@ -612,7 +612,7 @@ def _train(
         ckpt.seed_everything(recipe.run.seed)
         built = build(recipe, device)
         small = prefers_cpu(built.parts) if recipe.run.device == "auto" and device.type == "cuda" else None
-        if small is not None and world == 1:
+        if small is not None and not torch.distributed.is_initialized():  # torchrun keeps its GPUs
             echo(f"device auto: {small:,} trainable parameters, too few for the GPU to pay; training on the CPU")
             device = torch.device("cpu")
             state = ckpt.to_device(state, device)
