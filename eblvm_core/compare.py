@@ -579,11 +579,15 @@ def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int =
 def curve_axis(curves: dict[str, list[tuple[int, float]]], value_range: list[float] | None) -> tuple[float, float]:
     """The value axis (low, high) of the curve plot: the data's range, narrowed to ``value_range``
     (curve_range) only as far as it keeps the later half of every curve in view, so early
-    excursions are clipped but a short run is never flattened onto the clip value."""
+    excursions are clipped but a short run is never flattened onto the clip value. When most
+    curves end inside the range, one whose whole later half lies outside it (a method that
+    diverged) is clipped too instead of squashing the others."""
     values = [v for c in curves.values() for _, v in c]
     lo, hi = min(values), max(values)
     if value_range:
-        late = [v for c in curves.values() for _, v in c[len(c) // 2 :]]
+        halves = [[v for _, v in c[len(c) // 2 :]] for c in curves.values()]
+        inside = [h for h in halves if any(value_range[0] <= v <= value_range[1] for v in h)]
+        late = [v for h in (inside if 2 * len(inside) > len(halves) else halves) for v in h]
         lo = min(max(lo, value_range[0]), min(late))
         hi = max(min(hi, value_range[1]), max(late))
     pad = 0.05 * (hi - lo) if hi > lo else 0.5 * max(abs(lo), 1e-3)

@@ -582,6 +582,15 @@ def test_curve_axis_fits_the_data_and_marks_clipping():
     assert -1.5 < lo < -1.2 and 0.3 < hi < 0.7  # the later half (-1.2, -1.1) in view, -3 and -1.5 clipped
     lo, hi = curve_axis(curves, None)
     assert -3.5 < lo < -3.0 and 0.3 < hi < 0.5  # the whole range and a 5% margin
+    # most curves end inside the range: one that diverged is clipped rather than squashing them
+    many = {
+        **curves,
+        "also": [(1, -0.5), (2, 0.0), (3, 0.25), (4, 0.32)],
+        "diverged": [(1, -1.0), (2, -5.0), (3, -9.0), (4, -10.0)],
+    }
+    many["short"] = curves["long"]
+    lo, hi = curve_axis(many, [-0.6, 0.7])
+    assert -0.7 < lo <= -0.6 and 0.3 < hi < 0.4
     image = from_pil(_curve_plot(curves, "eval/x", [-0.6, 0.7]))
     blue = ((image * 255 - torch.tensor([31, 119, 180])[:, None, None]).abs().max(0).values < 10).nonzero()
     rows = blue[blue[:, 1] < 640 - 150][:, 0]  # the plot area, not the legend
