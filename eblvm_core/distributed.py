@@ -59,9 +59,15 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
+    from eblvm_core.errors import TrainingDiverged
+
     try:
         yield device
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, TrainingDiverged) and not cuda:  # every rank stops here together (the
+            # NaN check is collective); bounded, so a rank that stopped alone still exits
+            with contextlib.suppress(Exception):
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         dist.destroy_process_group()
         raise
     # every rank past its last collective before any tears the group down: a rank that exits while
