@@ -46,6 +46,24 @@ lr = 1e-2
 kind = "exact-loglik"
 """
 
+# SMALL_RECIPE trained by BiSM: a Bernoulli posterior, the KL lower level, one inner and one unrolled step
+BISM = SMALL_RECIPE.replace(
+    '[estimator]\nkind = "exact-score"',
+    """[posterior]
+kind = "bernoulli"
+
+[divergence]
+kind = "kl"
+
+[estimator]
+kind = "bism-unrolled"
+inner_steps = 1
+unroll_steps = 1
+
+[optim.posterior]
+kind = "adam\"""",
+)
+
 
 @pytest.fixture
 def write_recipe(tmp_path: Path):

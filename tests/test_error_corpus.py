@@ -10,27 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import BISM, SMALL_RECIPE
 
 BIG = 2**73  # beyond 64 bits
 INT64_MAX = 2**63 - 1  # a 64-bit size no allocator can serve
 
-BISM = SMALL_RECIPE.replace(
-    '[estimator]\nkind = "exact-score"',
-    """[posterior]
-kind = "bernoulli"
-
-[divergence]
-kind = "kl"
-
-[estimator]
-kind = "bism-unrolled"
-inner_steps = 1
-unroll_steps = 1
-
-[optim.posterior]
-kind = "adam\"""",
-)
 WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
 KSD = SMALL_RECIPE.replace('kind = "dsm"\nsigma = 0.1', 'kind = "ksd"\npairing = "halves"')
 FREY = SMALL_RECIPE.replace('kind = "checkerboard"\nn_train = 2000\nn_test = 500', 'kind = "freyface"\nroot = "{root}"')

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import BISM, SMALL_RECIPE
 
 
 def one_line_error(result) -> str:
@@ -121,22 +121,6 @@ def test_real_process_exit_code_and_no_traceback(write_recipe):
 
 # ---- validate is a dry run: what run rejects before its first step, validate rejects -------------
 
-BISM = SMALL_RECIPE.replace(
-    '[estimator]\nkind = "exact-score"',
-    """[posterior]
-kind = "bernoulli"
-
-[divergence]
-kind = "kl"
-
-[estimator]
-kind = "bism-unrolled"
-inner_steps = 1
-unroll_steps = 1
-
-[optim.posterior]
-kind = "adam\"""",
-)
 
 DRY_CASES = [
     (
