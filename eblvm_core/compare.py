@@ -295,11 +295,9 @@ def _image(run_dir: Path, task: dict[str, Any]) -> str | None:
 # ---- resuming a comparison ------------------------------------------------------------------
 
 
-def fingerprint(task: dict[str, Any]) -> str:
-    """What decides a run's tabulated result: its resolved recipe and how it is tabulated."""
-    from eblvm_core.recipe import load_recipe
-
-    resolved = load_recipe(task["recipe"], task["overrides"]).to_dict()
+def fingerprint(task: dict[str, Any], resolved: dict[str, Any]) -> str:
+    """What decides a run's tabulated result: its resolved recipe (``Recipe.to_dict()``) and how
+    it is tabulated."""
     what = {key: task[key] for key in ("checkpoint", "final_evals", "image", "n_samples")}
     return json.dumps({"recipe": resolved, **what}, sort_keys=True, default=str)
 
@@ -336,10 +334,10 @@ def write_done_record(task: dict[str, Any], result: dict[str, Any], out: Path) -
 WHERE = ("run.device", "run.threads")  # where a run trains, not what it trains: a run may move
 
 
-def unfinished_run(task: dict[str, Any]) -> tuple[Path, list[str]] | None:
+def unfinished_run(task: dict[str, Any], wanted: dict[str, Any]) -> tuple[Path, list[str]] | None:
     """(run directory, overrides) to continue: the task's newest run directory with a checkpoint
-    whose recipe equals the task's but for the device and thread count (the task's are used) and
-    a smaller run.steps; else None."""
+    whose recipe equals the task's resolved recipe ``wanted`` but for the device and thread count
+    (the task's are used) and a smaller run.steps; else None."""
     from eblvm_core.recipe import differences, load_recipe
 
     runs = Path(task["out"]) / task["name"]
@@ -351,7 +349,6 @@ def unfinished_run(task: dict[str, Any]) -> tuple[Path, list[str]] | None:
             had = load_recipe(run_dir / "recipe.toml").to_dict()
         except ConfigError:
             return None
-        wanted = load_recipe(task["recipe"], task["overrides"]).to_dict()
         changed = [(path, old, new) for path, old, new in differences(had, wanted) if path not in WHERE]
         if not changed:
             return run_dir, []
@@ -378,6 +375,8 @@ def compare(
     names the methods to train (the others are tabulated from earlier runs in ``out``, if any)."""
     import tomli_w
 
+    from eblvm_core.recipe import load_recipe
+
     extra = list(overrides) + ([f"run.steps={steps}"] if steps is not None else [])
     spec = load_spec(spec_path, extra)
     cfg = spec.compare
@@ -391,7 +390,7 @@ def compare(
     out = Path(out) if out is not None else Path("results") / cfg.name
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
-    tasks = []
+    tasks, resolved = [], []  # resolved: each task's Recipe.to_dict()
     for method in spec.methods:
         recipe_path = out / "recipes" / f"{slug(method.name)}.toml"
         recipe_path.write_text(tomli_w.dumps(spec.recipes[method.name]))
@@ -418,7 +417,8 @@ def compare(
                 "resume": None,
                 "resume_overrides": [],
             }
-            task["fingerprint"] = fingerprint(task)
+            resolved.append(load_recipe(recipe_path, task["overrides"]).to_dict())
+            task["fingerprint"] = fingerprint(task, resolved[-1])
             tasks.append(task)
     echo(f"compare {spec.path}: {len(spec.methods)} methods × {n_seeds} seeds, {jobs} job(s), results in {out}")
     by_index: dict[int, dict[str, Any]] = {}
@@ -431,7 +431,7 @@ def compare(
             continue
         if only and task["method"] not in only:
             continue
-        unfinished = unfinished_run(task)
+        unfinished = unfinished_run(task, resolved[index])
         if unfinished is not None:
             task["resume"], task["resume_overrides"] = str(unfinished[0]), unfinished[1]
             echo(f"  {task['method']} seed {task['seed']}: continuing {unfinished[0]}")
