@@ -55,10 +55,14 @@ class Shards:
         self.steps_per_epoch = n // batch_size
         self.start = (0, 0)
 
-    def indices(self, epoch: int, pos: int) -> Tensor:
+    def span(self, pos: int) -> slice:
+        """Where this rank's part of batch ``pos`` lies in an epoch's order."""
         per_rank = self.batch_size // self.world_size
         first = pos * self.batch_size + self.rank * per_rank
-        return self.order(epoch)[first : first + per_rank]
+        return slice(first, first + per_rank)
+
+    def indices(self, epoch: int, pos: int) -> Tensor:
+        return self.order(epoch)[self.span(pos)]
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, pos = self.start
@@ -98,6 +102,7 @@ class Batches:
         self.seed, self.rank, self.use_augment = seed, rank, augment
         self.epoch, self.pos = 0, 0
         self._iter: Iterator[Tensor] | None = None
+        self._order: tuple[int, Tensor] | None = None  # (epoch, its order on the store's device)
         self._loader = None
         if not isinstance(self.store, Tensor):
             from torch.utils.data import DataLoader
@@ -111,9 +116,10 @@ class Batches:
             )
 
     def _raw(self) -> Tensor:
-        if self._loader is None:
-            idx = self.shards.indices(self.epoch, self.pos)
-            return self.store[idx.to(self.store.device)]
+        if self._loader is None:  # the epoch's order is copied to the device once, not an index copy (a sync) per batch
+            if self._order is None or self._order[0] != self.epoch:
+                self._order = (self.epoch, self.shards.order(self.epoch).to(self.store.device))
+            return self.store[self._order[1][self.shards.span(self.pos)]]
         if self._iter is None:
             self.shards.start = (self.epoch, self.pos)
             self._iter = iter(self._loader)
