@@ -152,11 +152,15 @@ class Estimator:
     safe). ``step`` returns metrics as floats or 0-d tensors (tensors avoid a host
     synchronisation per step); the key ``loss`` is the training loss the trainer watches for
     NaN/Inf. Extra state to checkpoint (persistent chains, counters) goes through
-    ``state_dict`` / ``load_state_dict``.
+    ``state_dict`` / ``load_state_dict``. ``graph_safe`` declares that on a GPU the step may be
+    captured once in a CUDA graph and replayed (``eblvm_core.graphs``): it launches the same
+    kernels on same-shaped tensors every step, never reads a device value on the host, returns
+    only tensors, and changes its state (parameters, optimizer moments, buffers) in place.
     """
 
     roles: tuple[str, ...] = ("model",)
     precisions: tuple[str, ...] = ("fp32",)
+    graph_safe: bool = False
     optimizers: dict[str, torch.optim.Optimizer] = {}
 
     def step(self, batch: Tensor) -> dict[str, float | Tensor]:
@@ -294,7 +298,10 @@ def reporting(keys: Any) -> Callable[[Callable[..., EvalResult]], Callable[..., 
 
 
 class Schedule:
-    """A learning-rate schedule: the rate of a role's optimizer before each training step."""
+    """A learning-rate schedule: the rate of a role's optimizer before each training step.
+    ``constant`` marks one that never changes the rate (a captured CUDA graph keeps the rate it saw)."""
+
+    constant: bool = False
 
     def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
         """The learning rate at training step ``step`` (0-based) of ``total_steps``."""

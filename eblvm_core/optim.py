@@ -72,8 +72,10 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -
     every rank must hand over the same parameters with gradients. Under fp16 (the optimizer
     carries a ``grad_scaler``) the loss is scaled, the gradients unscaled, and a step with
     non-finite gradients skipped. Returns the norm of the (averaged) gradient before clipping as
-    a 0-d tensor (no host synchronisation) and adds it to the optimizer's running
-    ``grad_norm_sum`` / ``grad_norm_count``, which the trainer logs as ``grad_norm/<role>``.
+    a 0-d tensor (no host synchronisation) and adds it, in place, to the optimizer's running
+    ``grad_norm_stats`` (sum, count) on the device, which the trainer logs as
+    ``grad_norm/<role>`` (``take_mean_grad_norm``); in place, so a step replayed from a CUDA
+    graph counts too.
     """
     params = [p for p in optimizer_params(optimizer) if p.requires_grad]
     scaler = getattr(optimizer, "grad_scaler", None)
@@ -93,14 +95,17 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -
         scaler.unscale_(optimizer)
     max_norm = getattr(optimizer, "max_grad_norm", None)
     if not with_grad:
-        norm = torch.zeros(())
+        norm = torch.zeros((), device=params[0].device if params else None)
     elif max_norm is not None:
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
     norm = norm.detach()
-    optimizer.grad_norm_sum = getattr(optimizer, "grad_norm_sum", 0.0) + norm  # type: ignore[attr-defined]
-    optimizer.grad_norm_count = getattr(optimizer, "grad_norm_count", 0) + 1  # type: ignore[attr-defined]
+    stats = getattr(optimizer, "grad_norm_stats", None)
+    if stats is None or stats.device != norm.device:
+        stats = optimizer.grad_norm_stats = torch.zeros(2, device=norm.device)  # type: ignore[attr-defined]
+    stats[0].add_(norm.float())
+    stats[1].add_(1.0)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
@@ -109,11 +114,24 @@ def apply_update(optimizer: torch.optim.Optimizer, loss: Tensor | None = None) -
     return norm
 
 
+def take_mean_grad_norm(optimizer: torch.optim.Optimizer) -> float | None:
+    """The mean gradient norm of the optimizer's updates since the last call (None when there
+    were none); resets the running ``grad_norm_stats`` in place."""
+    stats = getattr(optimizer, "grad_norm_stats", None)
+    if stats is None:
+        return None
+    total, count = stats.tolist()
+    stats.zero_()
+    return total / count if count else None
+
+
 # ---- schedules ----------------------------------------------------------------------------------
 
 
 class Constant(Schedule):
     """The base rate throughout."""
+
+    constant = True
 
     def lr(self, base_lr: float, step: int, total_steps: int, steps_per_epoch: int) -> float:
         return base_lr

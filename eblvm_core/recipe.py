@@ -59,6 +59,11 @@ class RunConfig:
         "numbers), else torch's default",
         non_negative,
     )
+    cuda_graph: bool = option(
+        True,
+        "on a GPU, capture the training step in a CUDA graph and replay it (the same numbers, without the launch "
+        "cost of many small kernels) when the estimator declares it safe and the rates are constant",
+    )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
     checkpoint_every: int = option(1000, "steps between checkpoints (one is also written at the end)", positive)
@@ -321,6 +326,7 @@ RESUMABLE = (
     "run.checkpoint_every",
     "run.threads",
     "run.device",
+    "run.cuda_graph",
     "data.root",
     "eval",
     "log",

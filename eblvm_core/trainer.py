@@ -35,7 +35,8 @@ from eblvm_core.errors import (
     Interrupted,
     TrainingDiverged,
 )
-from eblvm_core.optim import optimizer_params
+from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal
+from eblvm_core.optim import optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe, differences, training_part
 from eblvm_core.rundir import Provenance, RunLock, RunLog
 
@@ -349,6 +350,23 @@ class Trainer:
         return self._diverged(f"the step failed: {cause} ({type(exc).__name__}: {message[:200]})", self.step + 1)
 
     # ---- the loop ----------------------------------------------------------------------
+    def training_step(self) -> Callable[[Tensor], dict[str, Any]]:
+        """The estimator's step; on a GPU wrapped to be replayed from a CUDA graph where it can
+        be ([run] cuda_graph), saying in the log which and why."""
+        run, device = self.recipe.run, self.parts.device
+        if device.type != "cuda":
+            return self.estimator.step
+        refusal = (
+            graph_refusal(self.estimator, self.built.schedules, device, self.world, run.precision)
+            if run.cuda_graph
+            else "[run] cuda_graph = false"
+        )
+        if refusal is not None:
+            self.say(f"CUDA graph: not used: {refusal}")
+            return self.estimator.step
+        self.say(f"CUDA graph: the training step is captured after {WARMUP_STEPS} eager steps and replayed")
+        return GraphedStep(self.estimator.step, self.optimizers, self.say)
+
     def set_learning_rates(self) -> None:
         run = self.recipe.run
         for role, opt in self.optimizers.items():
@@ -391,13 +409,14 @@ class Trainer:
         count, tick, paused = 0, time.perf_counter(), 0.0  # paused: seconds of evaluations and checkpoints
         session_start, first_step = tick, self.step
         loss_ok: Tensor | bool = True
+        training_step = self.training_step()
         try:
             while self.step < run.steps:
                 self.set_learning_rates()
                 batch = self.batches.next()
                 try:
                     with autocast():
-                        metrics = self.estimator.step(batch)
+                        metrics = training_step(batch)
                 except (RuntimeError, ValueError) as exc:
                     diverged = self._step_failed(exc)
                     if diverged is None:
@@ -431,9 +450,9 @@ class Trainer:
                     means = {f"train/{k}": v for k, v in zip(keys, values)}
                     for role, opt in self.optimizers.items():
                         means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
-                        if getattr(opt, "grad_norm_count", 0):
-                            means[f"train/grad_norm/{role}"] = float(opt.grad_norm_sum) / opt.grad_norm_count
-                            opt.grad_norm_sum, opt.grad_norm_count = 0.0, 0
+                        grad_norm = take_mean_grad_norm(opt)
+                        if grad_norm is not None:
+                            means[f"train/grad_norm/{role}"] = grad_norm
                     now = time.perf_counter()
                     rate = count / max(now - tick - paused, 1e-9)
                     means["speed/steps_per_s"] = rate

@@ -120,28 +120,29 @@ class BiSMUnrolled(BiSM):
     def __init__(self, parts: Parts, inner_steps: int, unroll_steps: int, unroll: str, inner_lr: float):
         super().__init__(parts, inner_steps)
         self.unroll_steps, self.unroll, self.inner_lr = unroll_steps, unroll, inner_lr
+        self.graph_safe = unroll == "sgd"  # the Adam copy reads the optimizer's step count on the host
 
     def _update_rule(self) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         if self.unroll == "adam":
             return DifferentiableAdam.from_optimizer(self.optimizers["posterior"], list(self.phi.values())).step
         return functools.partial(sgd_step, lr=self.inner_lr)
 
-    def unrolled(self, x: Tensor) -> tuple[dict[str, Tensor], float | None]:
-        """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ."""
+    def unrolled(self, x: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
+        """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ (0-d)."""
         params, lower_at_start = self.phi, None
         update = self._update_rule()
         for n in range(self.unroll_steps):
             lower = self.functional.call(params, self.lower, x) if n else self.lower(x)
             if n == 0:
-                lower_at_start = float(lower.detach())
+                lower_at_start = lower.detach()
             params = update(params, mean_over_ranks(grads_or_zeros(lower, list(params.values()), create_graph=True)))
         return params, lower_at_start
 
-    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
-        """dJ_Bi(θ, φ_N(θ))/dθ (Eq. 14) at the current φ."""
+    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """dJ_Bi(θ, φ_N(θ))/dθ (Eq. 14) at the current φ; metrics as 0-d tensors (no host synchronisation)."""
         params, lower = self.unrolled(x)
         upper = self.functional.call(params, self.upper, x, context) if self.unroll_steps else self.upper(x, context)
-        metrics = {"loss": float(upper.detach())}
+        metrics = {"loss": upper.detach()}
         if lower is not None:
             metrics["lower_loss"] = lower
         return grads_or_zeros(upper, self.theta), metrics

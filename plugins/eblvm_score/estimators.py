@@ -19,6 +19,7 @@ class ExactScore(Estimator):
     """
 
     roles = ("model",)
+    graph_safe = True
 
     def __init__(self, model: EnergyModel, objective: ScoreObjective, parts: Parts):
         self.model, self.objective = model, objective
@@ -33,8 +34,8 @@ class ExactScore(Estimator):
         """x (B, d) -> ∇_x log p(x) (B, d), differentiable in x and θ."""
         return exact_score(self.model, x)
 
-    def step(self, batch: Tensor) -> dict[str, float]:
-        """batch (B, ...) -> {"loss": mean objective}."""
+    def step(self, batch: Tensor) -> dict[str, Tensor]:
+        """batch (B, ...) -> {"loss": mean objective (0-d)}."""
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
         apply_update(self.optimizers["model"], loss)

@@ -1,0 +1,130 @@
+"""Training steps captured once in a CUDA graph and replayed.
+
+A small model's step on a GPU is hundreds of tiny kernels, and the host takes longer to launch
+them one by one than the GPU takes to run them; a captured graph launches them all at once.
+``graph_refusal`` says why a run's step cannot be captured (None when it can); ``GraphedStep``
+wraps the estimator's step: its first WARMUP_STEPS calls run eagerly on a side stream (capture
+needs state that is created lazily, such as Adam's moments, to exist already), the next call
+captures the step on a static copy of its batch, and every call from then on copies its batch
+into that copy and replays the graph. Random numbers come from the default CUDA generator,
+whose Philox offset a replay advances as the eager kernels would, so a replayed step draws the
+numbers its eager twin would draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from eblvm_core.contracts import Estimator, Schedule
+
+WARMUP_STEPS = 3
+Step = Callable[[Tensor], dict[str, Tensor]]
+
+
+def graph_refusal(
+    estimator: Estimator,
+    schedules: Mapping[str, Schedule],
+    device: torch.device,
+    world: int,
+    precision: str,
+) -> str | None:
+    """Why the training step cannot be captured in a CUDA graph, or None when it can."""
+    if device.type != "cuda":
+        return f"the run is on {device.type}, not a CUDA device"
+    if world > 1:
+        return "several processes train together (their collectives are not captured)"
+    if precision != "fp32":
+        return f"precision {precision} scales or casts on the host"
+    if not estimator.graph_safe:
+        return f"the estimator ({type(estimator).__name__}) does not declare its step graph-safe"
+    for role, schedule in schedules.items():
+        if not schedule.constant:
+            return (
+                f"the learning rate of role '{role}' follows a schedule (a graph keeps the rate it was captured with)"
+            )
+    for role, optimizer in estimator.optimizers.items():
+        if isinstance(optimizer, torch.optim.Adam):
+            if not all(group["fused"] for group in optimizer.param_groups):
+                return f"the Adam of role '{role}' is not the fused one"
+        elif not isinstance(optimizer, torch.optim.SGD):
+            return f"the optimizer of role '{role}' ({type(optimizer).__name__}) is not known to be capturable"
+    return None
+
+
+class GraphedStep:
+    """``step(batch) -> metrics`` replayed from a CUDA graph after WARMUP_STEPS eager calls.
+
+    Every call is one real training step, the same as the eager one. When the step turns out not
+    to be capturable (metrics that are not tensors, a batch of another shape, an error during
+    capture) ``refusal`` says why, ``report`` is told once, and the calls stay eager.
+    """
+
+    def __init__(
+        self, step: Step, optimizers: Mapping[str, torch.optim.Optimizer], report: Callable[[str], None] = print
+    ):
+        self.step, self.optimizers, self.report = step, optimizers, report
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static_batch: Tensor | None = None
+        self.static_metrics: dict[str, Tensor] = {}
+        self.refusal: str | None = None
+
+    def __call__(self, batch: Tensor) -> dict[str, Tensor]:
+        if self.refusal is not None:
+            return self.step(batch)
+        if self.graph is not None:
+            if batch.shape != self.static_batch.shape or batch.dtype != self.static_batch.dtype:
+                self.refuse(f"a batch of shape {tuple(batch.shape)} came after {tuple(self.static_batch.shape)}")
+                self.graph = None
+                return self.step(batch)
+            self.static_batch.copy_(batch)
+            self.graph.replay()
+            return self.static_metrics
+        self.calls += 1
+        if self.calls <= WARMUP_STEPS:
+            return self._warm_up(batch)
+        return self._capture(batch)
+
+    def refuse(self, why: str) -> None:
+        self.refusal = why
+        self.report(f"CUDA graph: training eagerly from here on: {why}")
+
+    def _warm_up(self, batch: Tensor) -> dict[str, Tensor]:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            metrics = self.step(batch)
+        torch.cuda.current_stream().wait_stream(side)
+        loose = sorted(k for k, v in metrics.items() if not isinstance(v, Tensor))
+        if loose:
+            self.refuse(f"the step returns {', '.join(loose)} as Python numbers (read from the device each step)")
+        return metrics
+
+    def _capture(self, batch: Tensor) -> dict[str, Tensor]:
+        """Capture the step on a static copy of ``batch``, then replay it once for this batch."""
+        adams = [opt for opt in self.optimizers.values() if isinstance(opt, torch.optim.Adam)]
+        saved = [[group["capturable"] for group in opt.param_groups] for opt in adams]
+        self.static_batch = batch.clone()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            for opt in adams:  # the fused kernel ignores the flag; step() checks it while capturing
+                for group in opt.param_groups:
+                    group["capturable"] = True
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                self.static_metrics = self.step(self.static_batch)
+        except RuntimeError as exc:
+            self.refuse(f"capture failed ({' '.join(str(exc).split())[:160]})")
+            self.static_batch, self.static_metrics = None, {}
+            torch.cuda.synchronize()
+            return self.step(batch)
+        finally:
+            for opt, flags in zip(adams, saved):
+                for group, flag in zip(opt.param_groups, flags):
+                    group["capturable"] = flag
+        self.graph = graph
+        self.graph.replay()
+        return self.static_metrics
