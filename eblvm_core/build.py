@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError, DataError
+from eblvm_core.graphs import graph_refusal
 from eblvm_core.recipe import Recipe, Role, Section
 from eblvm_core.registry import did_you_mean
 
@@ -26,19 +27,19 @@ class Built:
     schedules: dict[str, Schedule] = attrs.field(factory=dict)
 
 
-# device = "auto" trains on the GPU only from this many trainable parameters (all roles together).
-# Below, a training step is a few hundred tiny kernel launches and one CPU core is faster: on an
-# H100 host (docs/benchmarks.md) a 16-parameter checkerboard GRBM steps 2.4x faster on one CPU
-# thread, a Frey-face GRBM with 20 hidden units (24,000 parameters with its posterior) 1.1-1.7x,
-# while with 400 hidden units (450,000) the GPU is 1.6-2.5x faster; the GPU's step time hardly
-# grows with size, the CPU's does, and the two cross near 60,000-120,000.
+# device = "auto" trains on the GPU from this many trainable parameters (all roles together), and
+# below it only when the step is replayed from a CUDA graph. Launched kernel by kernel, a small
+# model's step is a few hundred tiny launches and one CPU core is faster: on an H100 host
+# (docs/benchmarks.md) a 16-parameter checkerboard GRBM steps 2.4x faster on one CPU thread, a
+# Frey-face GRBM with 20 hidden units (24,000 parameters with its posterior) 1.1-1.7x, while with
+# 400 hidden units (450,000) the GPU is 1.6-2.5x faster; the two cross near 60,000-120,000.
 AUTO_GPU_MIN_PARAMETERS = 100_000
 
 
 def pick_device(choice: str) -> torch.device:
     """The torch device of ``[run] device``; a ConfigError when it is not available here.
-    "auto" gives CUDA when there is one (the trainer then keeps small models on the CPU:
-    ``prefers_cpu``)."""
+    "auto" gives CUDA when there is one (the trainer then keeps small models whose step cannot
+    be graph-replayed on the CPU: ``auto_on_cpu``)."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice.startswith("cuda"):
@@ -56,9 +57,28 @@ def pick_device(choice: str) -> torch.device:
 
 def prefers_cpu(parts: Parts) -> int | None:
     """The trainable parameter count when it is below AUTO_GPU_MIN_PARAMETERS (the CPU is then
-    faster than a GPU for this model), else None."""
+    faster than a GPU launching the step's kernels one by one), else None."""
     count = sum(p.numel() for net in parts.networks().values() for p in net.parameters() if p.requires_grad)
     return count if count < AUTO_GPU_MIN_PARAMETERS else None
+
+
+def auto_on_cpu(built: Built, recipe: Recipe, device: torch.device) -> str | None:
+    """Why ``device = "auto"`` should train this run on the CPU instead of the GPU it found, or
+    None to keep the GPU (``device``): a small model (``prefers_cpu``) whose step cannot be
+    replayed from a CUDA graph. A replayed step beats one CPU thread at every size measured
+    (docs/benchmarks.md)."""
+    count = prefers_cpu(built.parts)
+    if count is None:
+        return None
+    run = recipe.run
+    refusal = (
+        graph_refusal(built.parts.estimator, built.schedules, device, 1, run.precision)
+        if run.cuda_graph
+        else "[run] cuda_graph = false"
+    )
+    if refusal is None:
+        return None
+    return f"{count:,} trainable parameters, too few for the GPU to pay without a CUDA graph ({refusal})"
 
 
 TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")

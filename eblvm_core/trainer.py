@@ -608,7 +608,7 @@ def _train(
     seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
     directory and echoes. Nothing is written before the recipe built and, on resume, the
     checkpoint loaded and fitted."""
-    from eblvm_core.build import build, build_loggers, prefers_cpu
+    from eblvm_core.build import auto_on_cpu, build, build_loggers
     from eblvm_core.recipe import with_run
 
     rank, world = distributed.rank(), distributed.world_size()
@@ -630,9 +630,9 @@ def _train(
                 return run_dir, {}
         ckpt.seed_everything(recipe.run.seed)
         built = build(recipe, device)
-        small = prefers_cpu(built.parts) if recipe.run.device == "auto" and device.type == "cuda" else None
-        if small is not None and not torch.distributed.is_initialized():  # torchrun keeps its GPUs
-            echo(f"device auto: {small:,} trainable parameters, too few for the GPU to pay; training on the CPU")
+        why_cpu = auto_on_cpu(built, recipe, device) if recipe.run.device == "auto" and device.type == "cuda" else None
+        if why_cpu is not None and not torch.distributed.is_initialized():  # torchrun keeps its GPUs
+            echo(f"device auto: {why_cpu}; training on the CPU")
             device = torch.device("cpu")
             state = ckpt.to_device(state, device)
             ckpt.seed_everything(recipe.run.seed)

@@ -143,11 +143,12 @@ def test_a_run_resumed_on_cuda_ends_where_the_uninterrupted_run_does(recipe, tmp
             assert torch.equal(b["networks"][name][key], value), (name, key)
 
 
-def test_device_auto_trains_the_checkerboard_grbm_on_the_cpu_and_frey_face_on_the_gpu(tmp_path):
+def test_device_auto_trains_a_small_model_on_the_cpu_only_when_its_step_is_not_graph_replayed(tmp_path):
     import json
 
     quiet = lambda _: None  # noqa: E731
-    small, _ = run(RECIPES / "grbm_bissm.toml", ["run.steps=5"], device="auto", out=tmp_path, echo=quiet)
+    graphed, _ = run(RECIPES / "grbm_bissm.toml", ["run.steps=5"], device="auto", out=tmp_path, echo=quiet)
+    small, _ = run(RECIPES / "grbm_bism_implicit.toml", ["run.steps=5"], device="auto", out=tmp_path, echo=quiet)
     write_frey(tmp_path, frey_images(1965))
     large, _ = run(
         RECIPES / "freyface_dsm.toml",
@@ -156,8 +157,9 @@ def test_device_auto_trains_the_checkerboard_grbm_on_the_cpu_and_frey_face_on_th
         out=tmp_path,
         echo=quiet,
     )
-    devices = [json.loads((d / "run.json").read_text())["sessions"][0]["device"] for d in (small, large)]
-    assert devices[0] == "cpu" and devices[1].startswith("cuda"), devices
+    runs = (graphed, small, large)
+    devices = [json.loads((d / "run.json").read_text())["sessions"][0]["device"] for d in runs]
+    assert devices[0].startswith("cuda") and devices[1] == "cpu" and devices[2].startswith("cuda"), devices
 
 
 @pytest.mark.parametrize(

@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
 from tests.conftest import SMALL_RECIPE
 
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
 
 
@@ -264,6 +266,29 @@ def test_device_auto_keeps_models_below_the_measured_size_on_the_cpu():
     assert prefers_cpu(grbm_with_posterior(560, 20)) is not None
     frey = grbm_with_posterior(560, 400)
     assert prefers_cpu(frey) is None and sum(p.numel() for p in frey.model.parameters()) > AUTO_GPU_MIN_PARAMETERS
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, on_cpu",
+    [
+        ("grbm_bissm.toml", [], None),  # small, but its step is replayed from a CUDA graph
+        ("grbm_bissm.toml", ["run.cuda_graph=false"], "[run] cuda_graph = false"),
+        ("grbm_bism_implicit.toml", [], "BiSMImplicit) does not declare"),
+        ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], "follows a schedule"),
+    ],
+)
+def test_device_auto_keeps_a_small_model_on_the_cpu_only_when_its_step_cannot_be_graph_replayed(
+    recipe, overrides, on_cpu
+):
+    from eblvm_core.build import auto_on_cpu, build
+    from eblvm_core.recipe import load_recipe
+
+    spec = load_recipe(RECIPES / recipe, overrides)
+    why = auto_on_cpu(build(spec, torch.device("cpu")), spec, torch.device("cuda"))
+    if on_cpu is None:
+        assert why is None
+    else:
+        assert why is not None and on_cpu in why and "trainable parameters" in why, why
 
 
 def test_a_checkpoint_moves_to_a_device_whole():
