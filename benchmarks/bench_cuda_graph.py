@@ -1,7 +1,7 @@
 """Training speed with the step replayed from a CUDA graph, launched eagerly on the GPU, and on one
 CPU thread, through the real training loop (``eblvm run``), one case after the other on one machine.
 
-    python benchmarks/bench_cuda_graph.py [--steps 600] [--frey-steps 200] [--out table.md]
+    python benchmarks/bench_cuda_graph.py [--steps 600] [--frey-steps 200] [--only adam] [--out table.md]
 
 Each case trains a bundled recipe without evaluators or loggers for a fixed number of steps in
 the three modes, from the same seed. Reported: the median of the loop's own ``speed/steps_per_s``
@@ -34,9 +34,11 @@ CASES = [
     ("checkerboard", "exact-score DSM", "grbm_dsm.toml", []),
     ("checkerboard", "exact-score SSM", "grbm_ssm.toml", []),
     ("checkerboard", "BiDSM (K=5, N=5, sgd)", "grbm_bidsm.toml", []),
+    ("checkerboard", "BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ['estimator.unroll="adam"']),
     ("checkerboard", "BiSSM (K=5, N=5): grbm_bissm", "grbm_bissm.toml", []),
     ("Frey size", "exact-score DSM", "freyface_dsm.toml", []),
     ("Frey size", "BiDSM (K=5, N=5, sgd)", "freyface_bidsm.toml", ['estimator.unroll="sgd"']),
+    ("Frey size", "BiDSM (K=5, N=5, adam): freyface_bidsm", "freyface_bidsm.toml", []),
 ]
 MODES = {
     "GPU, graph": ("cuda", ["run.cuda_graph=true"]),
@@ -105,7 +107,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600, help="training steps per run at checkerboard size")
     parser.add_argument("--frey-steps", type=int, default=200, help="training steps per run at Frey size")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
+    parser.add_argument("--only", nargs="+", default=None, help="run only the cases whose label contains one of these")
     args = parser.parse_args()
+    cases = [case for case in CASES if args.only is None or any(word in case[1] for word in args.only)]
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     header = (
         f"{name}; host {platform.processor() or platform.machine()}, torch {torch.__version__}; "
@@ -122,7 +126,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data = frey_stand_in(folder)
-        for size, label, recipe_name, overrides in CASES:
+        for size, label, recipe_name, overrides in cases:
             recipe = without_evaluation(ROOT / "recipes" / recipe_name, folder)
             extra = [*overrides, f'data.root="{data}"'] if size == "Frey size" else overrides
             steps = args.frey_steps if size == "Frey size" else args.steps

@@ -7,7 +7,6 @@ handed to the solvers are flat 1-D tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -108,7 +107,8 @@ class DifferentiableAdam:
     advances its own moments; the real optimizer is left untouched. Weight decay is the
     L2 form of ``torch.optim.Adam``; gradient clipping is not reproduced. The copied second
     moment starts 1e-30 above the real one, so the square root never sees 0 and its
-    derivative stays finite.
+    derivative stays finite. The step counts stay tensors on the optimizer's device (never
+    read on the host), so the copy can be captured in a CUDA graph.
     """
 
     lr: float
@@ -116,7 +116,7 @@ class DifferentiableAdam:
     beta2: float
     eps: float
     weight_decay: float
-    step_count: list[float]
+    step_count: Tensor  # (P,) steps taken per parameter, in the first parameter's dtype and device
     exp_avg: list[Tensor]
     exp_avg_sq: list[Tensor]
 
@@ -128,32 +128,35 @@ class DifferentiableAdam:
         group = next(g for g in optimizer.param_groups if any(p is params[0] for p in g["params"]))
         if group["amsgrad"] or group["maximize"]:
             raise ValueError("the differentiable Adam step supports neither amsgrad nor maximize")
+        like = params[0]
         steps, avg, avg_sq = [], [], []
         for p in params:
             state = optimizer.state.get(p, {})
-            steps.append(float(state["step"]) if "step" in state else 0.0)
+            step = state.get("step", 0.0)
+            steps.append(torch.as_tensor(step, dtype=like.dtype).to(like.device).reshape(()))
             avg.append(state["exp_avg"].detach() if "exp_avg" in state else torch.zeros_like(p))
             avg_sq.append(state["exp_avg_sq"].detach() + 1e-30 if "exp_avg_sq" in state else torch.full_like(p, 1e-30))
         beta1, beta2 = group["betas"]
-        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], steps, avg, avg_sq)
+        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], torch.stack(steps), avg, avg_sq)
 
     def step(self, params: dict[str, Tensor], grads: Sequence[Tensor]) -> dict[str, Tensor]:
         """One Adam step from ``params`` along ``grads``, differentiable in both.
 
         p − lr/(1−β1ᵗ) · m / (√(v/(1−β2ᵗ)) + eps), written as p − a·m / (√v + eps·√(1−β2ᵗ))
-        with a = lr·√(1−β2ᵗ)/(1−β1ᵗ): fewer graph nodes, the same values.
+        with a = lr·√(1−β2ᵗ)/(1−β1ᵗ): fewer graph nodes, the same values. The factors of all
+        parameters are computed together, from their step counts.
         """
+        self.step_count = self.step_count + 1
+        root = (1 - self.beta2**self.step_count).sqrt()
+        scale = -self.lr * root / (1 - self.beta1**self.step_count)
+        eps_root = self.eps * root
         out = {}
         for i, ((name, p), g) in enumerate(zip(params.items(), grads)):
             if self.weight_decay:
                 g = torch.add(g, p, alpha=self.weight_decay)
-            self.step_count[i] += 1
-            t = self.step_count[i]
             self.exp_avg[i] = torch.lerp(self.exp_avg[i], g, 1 - self.beta1)
             self.exp_avg_sq[i] = torch.addcmul(self.beta2 * self.exp_avg_sq[i], g, g, value=1 - self.beta2)
-            root = math.sqrt(1 - self.beta2**t)
-            denom = self.exp_avg_sq[i].sqrt() + self.eps * root
-            out[name] = torch.addcdiv(p, self.exp_avg[i], denom, value=-self.lr * root / (1 - self.beta1**t))
+            out[name] = torch.addcdiv(p, scale[i] * self.exp_avg[i], self.exp_avg_sq[i].sqrt() + eps_root[i])
         return out
 
 

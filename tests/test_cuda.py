@@ -166,6 +166,7 @@ def test_device_auto_trains_a_small_model_on_the_cpu_only_when_its_step_is_not_g
     "recipe, overrides",
     [
         ("grbm_bissm.toml", []),
+        ("grbm_bidsm.toml", ['estimator.unroll="adam"']),
         ("grbm_dsm.toml", []),
         ("grbm_ssm.toml", ['optim.model.kind="sgd"', "optim.model.lr=1e-3", "optim.model.momentum=0.9"]),
     ],

@@ -29,6 +29,7 @@ def refusal(recipe: str, overrides: list[str] = (), device=CUDA, world=1, precis
     [
         ("grbm_bissm.toml", []),
         ("grbm_bidsm.toml", []),
+        ("grbm_bidsm.toml", ['estimator.unroll="adam"']),
         ("grbm_ssm.toml", []),
         ("grbm_dsm.toml", []),
         ("grbm_ssm.toml", ['optim.model.kind="sgd"', "optim.model.momentum=0.9"]),
@@ -44,7 +45,6 @@ def test_the_score_matching_steps_of_the_checkerboard_recipes_may_be_captured(re
         ("grbm_bissm.toml", [], {"device": torch.device("cpu")}, "not a CUDA device"),
         ("grbm_bissm.toml", [], {"world": 2}, "several processes"),
         ("grbm_dsm.toml", [], {"precision": "bf16"}, "precision bf16"),
-        ("grbm_bissm.toml", ['estimator.unroll="adam"'], {}, "BiSMUnrolled) does not declare"),
         ("grbm_bism_implicit.toml", [], {}, "BiSMImplicit) does not declare"),
         ("grbm_cd.toml", [], {}, "does not declare"),
         ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], {}, "role 'model' follows a schedule"),

@@ -117,10 +117,11 @@ class BiSMUnrolled(BiSM):
     that of the union of their batches.
     """
 
+    graph_safe = True
+
     def __init__(self, parts: Parts, inner_steps: int, unroll_steps: int, unroll: str, inner_lr: float):
         super().__init__(parts, inner_steps)
         self.unroll_steps, self.unroll, self.inner_lr = unroll_steps, unroll, inner_lr
-        self.graph_safe = unroll == "sgd"  # the Adam copy reads the optimizer's step count on the host
 
     def _update_rule(self) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         if self.unroll == "adam":
