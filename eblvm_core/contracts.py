@@ -325,6 +325,10 @@ class Logger:
     def log_images(self, step: int, images: dict[str, Tensor]) -> None:
         """Record images (C, H, W) in [0, 1] at ``step``."""
 
+    def resume(self, step: int) -> None:
+        """The run continues from its checkpoint at ``step``: drop (or hide) what an earlier session
+        recorded after it, which the resumed run records again."""
+
     def log_hparams(self, hparams: dict[str, float | int | str | bool], metrics: dict[str, float]) -> None:
         """Record the run's hyper-parameters (the resolved recipe, flattened: ``"model.n_hidden": 4``)
         with its final evaluation, once the run has finished."""

@@ -712,6 +712,9 @@ def _fit(
                     _clean_metrics(run_dir, trainer.step, trainer.step == recipe.run.steps)
                 provenance.start(str(device), world, trainer.step, threads)
                 built.loggers = build_loggers(recipe, run_dir)
+                if resume is not None:
+                    for logger in built.loggers:
+                        logger.resume(trainer.step)
         except BaseException as exc:
             if resume is None and rank == 0:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a run that could not start leaves nothing

@@ -296,3 +296,31 @@ def test_a_checkpoint_moves_to_a_device_whole():
     moved = ckpt.to_device(state, torch.device("meta"))
     assert moved["a"].is_meta and moved["b"][0].is_meta and moved["b"][1][0].is_meta
     assert isinstance(moved["b"][1], tuple) and moved["b"][1][1] == 3 and moved["c"] == "x"
+
+
+def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_path):
+    """A run killed after its last checkpoint logged steps that the resumed run logs again;
+    TensorBoard must show each step once (the resumed writer purges what followed the checkpoint)."""
+    import shutil
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from eblvm_core.trainer import run
+
+    recipe = tmp_path / "small.toml"
+    recipe.write_text(SMALL_RECIPE)
+    quiet = lambda _: None  # noqa: E731
+    run_dir, _ = run(recipe, ["run.steps=20", "run.log_every=5"], out=tmp_path / "runs", echo=quiet)
+    at_20 = tmp_path / "at_20.pt"
+    shutil.copy(run_dir / "checkpoints" / "last.pt", at_20)
+    time.sleep(1.1)  # event files are ordered by their names, which hold the second they were opened
+    run(None, ["run.steps=30"], resume=run_dir, echo=quiet)
+    shutil.copy(at_20, run_dir / "checkpoints" / "last.pt")  # as if killed after logging 25 and 30
+    time.sleep(1.1)
+    run(None, ["run.steps=30"], resume=run_dir, echo=quiet)
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [s.step for s in events.Scalars("train/loss")] == [5, 10, 15, 20, 25, 30]
+    assert [s.step for s in events.Scalars("eval/exact-loglik/test_loglik")] == [20, 30]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [5, 10, 15, 20, 25, 30]

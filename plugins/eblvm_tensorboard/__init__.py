@@ -23,9 +23,19 @@ class TensorBoardLogger(Logger):
     images, and the hyper-parameters with the final metrics (the HPARAMS dashboard)."""
 
     def __init__(self, cfg: TensorBoardConfig, run_dir: Path):
+        self.folder, self.flush_secs = str(Path(run_dir) / cfg.subdir), cfg.flush_secs
+        self.writer = self._writer()
+
+    def _writer(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(run_dir) / cfg.subdir), flush_secs=cfg.flush_secs)
+        return SummaryWriter(self.folder, flush_secs=self.flush_secs, purge_step=purge_step)
+
+    def resume(self, step: int) -> None:
+        """A new event file whose start marker makes TensorBoard hide the earlier files' events
+        after ``step`` (they are logged again)."""
+        self.writer.close()
+        self.writer = self._writer(purge_step=step + 1)
 
     def log_scalars(self, step: int, scalars: dict[str, float]) -> None:
         for key, value in scalars.items():
