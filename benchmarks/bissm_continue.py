@@ -1,0 +1,57 @@
+"""Continue a finished grbm_bissm run with another number of unrolled steps N, to see whether its
+plateau moves (docs/results.md). Not a timing.
+
+    python benchmarks/bissm_continue.py RUN_DIR OUT_DIR --unroll-steps 100 [--steps 4000] [--eval-every 1000]
+
+The run's networks, optimizers, data position and random streams are restored from its last
+checkpoint; the recipe is the run's own with only ``estimator.unroll_steps`` (and the schedule
+of steps, evaluations and checkpoints) changed, which ``eblvm run --resume`` refuses on purpose.
+Metrics go to OUT_DIR/metrics.jsonl as in a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.build import build
+from eblvm_core.recipe import load_recipe
+from eblvm_core.trainer import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--unroll-steps", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=4000, help="steps to add")
+    parser.add_argument("--eval-every", type=int, default=1000)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    state = ckpt.read_checkpoint(ckpt.last_checkpoint(args.run))
+    end = int(state["step"]) + args.steps
+    recipe = load_recipe(
+        args.run / "recipe.toml",
+        [
+            f"estimator.unroll_steps={args.unroll_steps}",
+            f"run.steps={end}",
+            f"run.eval_every={args.eval_every}",
+            f"run.log_every={args.eval_every}",
+            f"run.checkpoint_every={end}",
+            'run.device="cpu"',
+        ],
+    )
+    ckpt.seed_everything(recipe.run.seed)
+    built = build(recipe, torch.device("cpu"))
+    args.out.mkdir(parents=True, exist_ok=False)
+    (args.out / "checkpoints").mkdir()
+    trainer = Trainer(recipe, built, args.out)
+    trainer.restore(state, source=ckpt.last_checkpoint(args.run))
+    print({k: round(v, 4) for k, v in trainer.fit().items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""BiSSM's expected model update at a trained checkerboard GRBM, beside the exact score-matching
+gradient, with the posterior and the unrolled steps varied one at a time (docs/results.md).
+
+    python benchmarks/bissm_expected_update.py RUN_DIR [RUN_DIR ...] [--batches 2000] [--only 'α = 3']
+
+Not a timing. For each run directory (a grbm_bissm or grbm_ssm run; its last checkpoint is
+loaded) it prints the exact SM gradient of the training set, g = ∇_θ mean[½‖∇log p‖² + tr ∇²log p]
+(the expectation of SSM's), and for each variant the mean of BiSSM's hypergradient over
+``--batches`` random batches of the recipe's size with its standard error, the distance of that
+mean from g, and the distance's own Monte-Carlo floor √(tr Cov / batches). Where BiSSM's
+training has settled, its expected update is about 0; a distance from g well above the floor
+there is the bias that moves its fixed point away from SSM's. The variants: the trained q or
+the exact posterior (representable: linear logits), the recipe's N = 5 unrolled steps at step
+1.0, more relaxed samples per point in the lower level's gradient (less noise in φ_N), longer
+or no unrolls, a larger unrolled step α. The K real posterior steps of each training step are left out (q is at its fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.build import build
+from eblvm_core.recipe import load_recipe
+
+VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed samples per point in the lower level)
+    ("trained q, N = 5, α = 1, 1 sample (the recipe)", False, 5, 1.0, 1),
+    ("trained q, N = 5, α = 1, 64 samples", False, 5, 1.0, 64),
+    ("exact q, N = 5, α = 1, 1 sample", True, 5, 1.0, 1),
+    ("exact q, N = 5, α = 1, 64 samples", True, 5, 1.0, 64),
+    ("exact q, N = 20, α = 1, 64 samples", True, 20, 1.0, 64),
+    ("exact q, N = 100, α = 1, 64 samples", True, 100, 1.0, 64),
+    ("exact q, N = 0 (partial derivative)", True, 0, 1.0, 1),
+    ("trained q, N = 5, α = 3, 1 sample", False, 5, 3.0, 1),
+    ("trained q, N = 5, α = 10, 1 sample", False, 5, 10.0, 1),
+    ("trained q, N = 5, α = 30, 1 sample", False, 5, 30.0, 1),
+]
+
+
+def bissm_parts(run_dir: Path):
+    """The run's parts rebuilt as a BiSSM (K = N = 5, sgd, step 1.0, T = 0.1) with the checkpoint's networks."""
+    state = ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm.toml")
+    built = build(recipe, torch.device("cpu"))
+    for name, net in built.parts.networks().items():
+        if name in state["networks"]:
+            net.load_state_dict(state["networks"][name])
+    return built.parts, int(state["step"]), "posterior" in state["networks"]
+
+
+def exact_sm_gradient(parts, x: torch.Tensor) -> list[torch.Tensor]:
+    """∇_θ of the mean SM loss ½‖s‖² + tr ∇s with the exact score s = −∇F, over x (n, d)."""
+    model = parts.model
+    x = x.detach().requires_grad_(True)
+    (s,) = torch.autograd.grad(-model.free_energy(x).sum(), x, create_graph=True)
+    trace = sum(torch.autograd.grad(s[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(x.shape[1]))
+    loss = (0.5 * (s**2).sum(1) + trace).mean()
+    return list(torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad]))
+
+
+def set_exact_posterior(parts) -> None:
+    """q's linear logits := the GRBM posterior's, c + Uᵀv."""
+    with torch.no_grad():
+        parts.posterior.net[0].weight.copy_(parts.model.coupling_weight().T)
+        parts.posterior.net[0].bias.copy_(parts.model.c)
+
+
+def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("--batches", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--only", nargs="+", default=None, help="only the variants whose label contains one of these")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for run_dir in args.runs:
+        parts, step, has_q = bissm_parts(run_dir)
+        estimator, x_all = parts.estimator, parts.data.tensor("train")
+        names = [n for n, p in parts.model.named_parameters() if p.requires_grad]
+        exact = flat(exact_sm_gradient(parts, x_all))
+        trained = {k: v.detach().clone() for k, v in parts.posterior.state_dict().items()}
+        print(f"\n{run_dir} (step {step}; parameters {', '.join(names)})")
+        components = [
+            f"{n}{list(i) if p.dim() else ''}"
+            for n, p in parts.model.named_parameters()
+            if p.requires_grad
+            for i in (itertools.product(*map(range, p.shape)) if p.dim() else [()])
+        ]
+        with torch.no_grad():
+            p = torch.sigmoid(parts.model.hidden_logits(x_all))
+        print(
+            "exact posterior per hidden unit on the training set: mean p(h=1|v) "
+            + " ".join(f"{float(v):.3f}" for v in p.mean(0))
+            + "; mean p(1-p) (the lower level's curvature) "
+            + " ".join(f"{float(v):.4f}" for v in (p * (1 - p)).mean(0))
+        )
+        print(
+            f"exact SM gradient g: norm {float(exact.norm()):.3f}  "
+            + "  ".join(f"{name} {float(v):+.2f}" for name, v in zip(components, exact))
+        )
+        for label, exact_q, unroll_steps, step, samples in VARIANTS:
+            if args.only and not any(word in label for word in args.only):
+                continue
+            if not exact_q and not has_q:
+                continue
+            parts.posterior.load_state_dict(trained)
+            if exact_q:
+                set_exact_posterior(parts)
+            estimator.divergence.n_samples = samples
+            estimator.unroll_steps, estimator.inner_lr = unroll_steps, step
+            generator = torch.Generator().manual_seed(0)
+            torch.manual_seed(0)
+            differences = []
+            for _ in range(args.batches):
+                idx = torch.randint(len(x_all), (args.batch_size,), generator=generator)
+                x, context = estimator.objective.points(x_all[idx])
+                bissm = flat(estimator.hypergradient(x, context)[0]).detach()
+                differences.append(bissm - flat(exact_sm_gradient(parts, x_all[idx])))  # the batch's noise cancels
+            differences = torch.stack(differences)
+            bias, floor = differences.mean(0), differences.var(0).sum().div(args.batches).sqrt()
+            parts_of_bias = "  ".join(f"{name} {float(b):+.2f}" for name, b in zip(components, bias))
+            print(f"  {label:42s} ‖E[ĝ − g]‖ {float(bias.norm()):6.3f} (floor {float(floor):.3f})  {parts_of_bias}")
+
+
+if __name__ == "__main__":
+    main()
