@@ -12,12 +12,17 @@ training has settled, its expected update is about 0; a distance from g well abo
 there is the bias that moves its fixed point away from SSM's. The variants: the trained q or
 the exact posterior (representable: linear logits), the recipe's N = 5 unrolled steps at step
 1.0, more relaxed samples per point in the lower level's gradient (less noise in φ_N), longer
-or no unrolls, a larger unrolled step α. The K real posterior steps of each training step are left out (q is at its fit).
+or no unrolls, a larger unrolled step α, a lower relaxation temperature T; and, as a control,
+exact-score SSM, whose mean must reach g within its floor. It also prints, per hidden unit, the
+eigenvalues of the lower level's Hessian (exact Bernoulli KL) in that unit's posterior
+parameters: unrolled steps of a stable size α < 2/λ_max follow φ*(θ) along an eigen-direction
+only after about 1/(αλ) of them. The K real posterior steps of each training step are left out (q is at its fit).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 from pathlib import Path
 
@@ -25,6 +30,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import build
+from eblvm_core.contracts import exact_score
 from eblvm_core.recipe import load_recipe
 
 VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed samples per point in the lower level)
@@ -35,6 +41,8 @@ VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed sample
     ("exact q, N = 20, α = 1, 64 samples", True, 20, 1.0, 64),
     ("exact q, N = 100, α = 1, 64 samples", True, 100, 1.0, 64),
     ("exact q, N = 0 (partial derivative)", True, 0, 1.0, 1),
+    ("exact q, N = 5, α = 1, 64 samples, T = 0.03", True, 5, 1.0, 64),
+    ("exact q, N = 5, α = 1, 64 samples, T = 0.01", True, 5, 1.0, 64),
     ("trained q, N = 5, α = 3, 1 sample", False, 5, 3.0, 1),
     ("trained q, N = 5, α = 10, 1 sample", False, 5, 10.0, 1),
     ("trained q, N = 5, α = 30, 1 sample", False, 5, 30.0, 1),
@@ -87,6 +95,7 @@ def main() -> None:
         names = [n for n, p in parts.model.named_parameters() if p.requires_grad]
         exact = flat(exact_sm_gradient(parts, x_all))
         trained = {k: v.detach().clone() for k, v in parts.posterior.state_dict().items()}
+        temperature = parts.posterior.temperature
         print(f"\n{run_dir} (step {step}; parameters {', '.join(names)})")
         components = [
             f"{n}{list(i) if p.dim() else ''}"
@@ -96,15 +105,33 @@ def main() -> None:
         ]
         with torch.no_grad():
             p = torch.sigmoid(parts.model.hidden_logits(x_all))
+            z = torch.cat([torch.ones(len(x_all), 1), x_all.flatten(1)], 1)  # unit j's logit is φ_jᵀz
+            curvature = p * (1 - p)
+            hessians = [
+                (curvature[:, j, None, None] * z[:, :, None] * z[:, None, :]).mean(0) for j in range(p.shape[1])
+            ]
         print(
             "exact posterior per hidden unit on the training set: mean p(h=1|v) "
             + " ".join(f"{float(v):.3f}" for v in p.mean(0))
-            + "; mean p(1-p) (the lower level's curvature) "
-            + " ".join(f"{float(v):.4f}" for v in (p * (1 - p)).mean(0))
+            + "; eigenvalues of the lower level's Hessian in each unit's (bias, weights), E[p(1-p) z zᵀ]: "
+            + "  ".join("/".join(f"{float(e):.1e}" for e in torch.linalg.eigvalsh(h)) for h in hessians)
         )
         print(
             f"exact SM gradient g: norm {float(exact.norm()):.3f}  "
             + "  ".join(f"{name} {float(v):+.2f}" for name, v in zip(components, exact))
+        )
+        control = []  # exact-score SSM on the same batches: how close the baseline's own mean gets to g
+        generator = torch.Generator().manual_seed(0)
+        theta = [p for p in parts.model.parameters() if p.requires_grad]
+        for _ in range(args.batches):
+            x = x_all[torch.randint(len(x_all), (args.batch_size,), generator=generator)]
+            points, context = estimator.objective.points(x)
+            loss = estimator.objective.loss(functools.partial(exact_score, parts.model), points, context).mean()
+            control.append(flat(list(torch.autograd.grad(loss, theta))) - flat(exact_sm_gradient(parts, x)))
+        control = torch.stack(control)
+        floor = control.var(0).sum().div(args.batches).sqrt()
+        print(
+            f"  {'exact-score SSM (control)':42s} ‖E[ĝ − g]‖ {float(control.mean(0).norm()):6.3f} (floor {float(floor):.3f})"
         )
         for label, exact_q, unroll_steps, step, samples in VARIANTS:
             if args.only and not any(word in label for word in args.only):
@@ -116,6 +143,7 @@ def main() -> None:
                 set_exact_posterior(parts)
             estimator.divergence.n_samples = samples
             estimator.unroll_steps, estimator.inner_lr = unroll_steps, step
+            parts.posterior.temperature = float(label.split("T = ")[1]) if "T = " in label else temperature
             generator = torch.Generator().manual_seed(0)
             torch.manual_seed(0)
             differences = []
