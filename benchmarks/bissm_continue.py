@@ -1,10 +1,10 @@
 """Continue a finished grbm_bissm run with another number of unrolled steps N, to see whether its
 plateau moves (docs/results.md). Not a timing.
 
-    python benchmarks/bissm_continue.py RUN_DIR OUT_DIR --unroll-steps 100 [--steps 4000] [--eval-every 1000]
+    python benchmarks/bissm_continue.py RUN_DIR OUT_DIR --unroll-steps 100 [--inner-lr 1.0] [--steps 4000] [--eval-every 1000]
 
 The run's networks, optimizers, data position and random streams are restored from its last
-checkpoint; the recipe is the run's own with only ``estimator.unroll_steps`` (and the schedule
+checkpoint; the recipe is the run's own with only ``estimator.unroll_steps`` and ``inner_lr`` (and the schedule
 of steps, evaluations and checkpoints) changed, which ``eblvm run --resume`` refuses on purpose.
 Metrics go to OUT_DIR/metrics.jsonl as in a run.
 """
@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("run", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--unroll-steps", type=int, required=True)
+    parser.add_argument("--inner-lr", type=float, default=None, help="the unrolled steps' size α (default: the run's)")
     parser.add_argument("--steps", type=int, default=4000, help="steps to add")
     parser.add_argument("--eval-every", type=int, default=1000)
     args = parser.parse_args()
@@ -37,6 +38,7 @@ def main() -> None:
         args.run / "recipe.toml",
         [
             f"estimator.unroll_steps={args.unroll_steps}",
+            *([f"estimator.inner_lr={args.inner_lr}"] if args.inner_lr else []),
             f"run.steps={end}",
             f"run.eval_every={args.eval_every}",
             f"run.log_every={args.eval_every}",

@@ -40,6 +40,8 @@ VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed sample
     ("exact q, N = 5, α = 1, 64 samples", True, 5, 1.0, 64),
     ("exact q, N = 20, α = 1, 64 samples", True, 20, 1.0, 64),
     ("exact q, N = 100, α = 1, 64 samples", True, 100, 1.0, 64),
+    ("exact q, N = 200, α = 10, 64 samples", True, 200, 10.0, 64),
+    ("trained q, N = 200, α = 10, 1 sample", False, 200, 10.0, 1),
     ("exact q, N = 0 (partial derivative)", True, 0, 1.0, 1),
     ("exact q, N = 5, α = 1, 64 samples, T = 0.03", True, 5, 1.0, 64),
     ("exact q, N = 5, α = 1, 64 samples, T = 0.01", True, 5, 1.0, 64),
