@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -70,10 +71,24 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         dist.destroy_process_group()
         raise
-    # every rank past its last collective before any tears the group down: a rank that exits while
-    # a peer's gloo threads still talk to it can abort at interpreter exit
+    # every rank past its last collective before any tears the group down, and every group torn
+    # down before any rank exits: a rank that exits while a peer's gloo threads still talk to it
+    # can abort that peer ("terminate called without an active exception", exit -6)
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
+    wait_for_all(store, "eblvm/torn_down", world)
+
+
+def wait_for_all(store: Any, key: str, world: int, seconds: float = 30.0) -> None:
+    """Count this rank in at ``key`` of the rendezvous store and wait (at most ``seconds``) until
+    all ``world`` ranks have; a store that is gone (its host exited once all had counted) ends it."""
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(Exception):
+        count = store.add(key, 1)
+        while count < world and time.monotonic() < deadline:
+            time.sleep(0.01)
+            count = store.add(key, 0)
 
 
 @contextlib.contextmanager
