@@ -26,6 +26,7 @@ from torch import Tensor
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: a ResNet-18's float32 gradients travel in two all-reduces
 TIMEOUT = datetime.timedelta(minutes=60)  # ranks > 0 wait this long for rank 0's evaluations and checkpoints
 _local = False  # inside ``local()``: collectives off
+_groups_torn_down = 0  # process groups this process has left
 
 
 def active() -> bool:
@@ -74,10 +75,12 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
     # every rank past its last collective before any tears the group down, and every group torn
     # down before any rank exits: a rank that exits while a peer's gloo threads still talk to it
     # can abort that peer ("terminate called without an active exception", exit -6)
+    global _groups_torn_down
     store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
-    wait_for_all(store, "eblvm/torn_down", world)
+    _groups_torn_down += 1  # a key per group: every rank joins and leaves groups in the same order
+    wait_for_all(store, f"eblvm/torn_down/{_groups_torn_down}", world)
 
 
 def wait_for_all(store: Any, key: str, world: int, seconds: float = 30.0) -> None:
