@@ -53,8 +53,7 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
                     for chunk in v.split(cfg.batch_size)
                 ]
             )
-        stderr = float(loglik.std() / len(loglik) ** 0.5) if len(loglik) > 1 else float("nan")
-        return EvalResult(scalars={key: float(loglik.mean()), f"{key}_stderr": stderr})
+        return EvalResult.mean_over_points(key, loglik)
 
     return evaluate
 
