@@ -27,6 +27,7 @@ import itertools
 from pathlib import Path
 
 import torch
+from eblvm_score.objectives import SM
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import build
@@ -64,12 +65,8 @@ def bissm_parts(run_dir: Path):
 
 def exact_sm_gradient(parts, x: torch.Tensor) -> list[torch.Tensor]:
     """∇_θ of the mean SM loss ½‖s‖² + tr ∇s with the exact score s = −∇F, over x (n, d)."""
-    model = parts.model
-    x = x.detach().requires_grad_(True)
-    (s,) = torch.autograd.grad(-model.free_energy(x).sum(), x, create_graph=True)
-    trace = sum(torch.autograd.grad(s[:, i].sum(), x, create_graph=True)[0][:, i] for i in range(x.shape[1]))
-    loss = (0.5 * (s**2).sum(1) + trace).mean()
-    return list(torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad]))
+    loss = SM().loss(functools.partial(exact_score, parts.model), x, None).mean()
+    return list(torch.autograd.grad(loss, [p for p in parts.model.parameters() if p.requires_grad]))
 
 
 def set_exact_posterior(parts) -> None:
@@ -124,6 +121,7 @@ def main() -> None:
         )
         control = []  # exact-score SSM on the same batches: how close the baseline's own mean gets to g
         generator = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)  # the projections, as for the variants below
         theta = [p for p in parts.model.parameters() if p.requires_grad]
         for _ in range(args.batches):
             x = x_all[torch.randint(len(x_all), (args.batch_size,), generator=generator)]

@@ -71,11 +71,7 @@ def auto_on_cpu(built: Built, recipe: Recipe, device: torch.device) -> str | Non
     if count is None:
         return None
     run = recipe.run
-    refusal = (
-        graph_refusal(built.parts.estimator, built.schedules, device, 1, run.precision)
-        if run.cuda_graph
-        else "[run] cuda_graph = false"
-    )
+    refusal = graph_refusal(built.parts.estimator, built.schedules, device, 1, run.precision, run.cuda_graph)
     if refusal is None:
         return None
     return f"{count:,} trainable parameters, too few for the GPU to pay without a CUDA graph ({refusal})"

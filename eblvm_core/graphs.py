@@ -30,8 +30,12 @@ def graph_refusal(
     device: torch.device,
     world: int,
     precision: str,
+    enabled: bool = True,
 ) -> str | None:
-    """Why the training step cannot be captured in a CUDA graph, or None when it can."""
+    """Why the training step cannot be captured in a CUDA graph, or None when it can;
+    ``enabled`` is the recipe's [run] cuda_graph."""
+    if not enabled:
+        return "[run] cuda_graph = false"
     if device.type != "cuda":
         return f"the run is on {device.type}, not a CUDA device"
     if world > 1:

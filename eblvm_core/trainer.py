@@ -356,11 +356,7 @@ class Trainer:
         run, device = self.recipe.run, self.parts.device
         if device.type != "cuda":
             return self.estimator.step
-        refusal = (
-            graph_refusal(self.estimator, self.built.schedules, device, self.world, run.precision)
-            if run.cuda_graph
-            else "[run] cuda_graph = false"
-        )
+        refusal = graph_refusal(self.estimator, self.built.schedules, device, self.world, run.precision, run.cuda_graph)
         if refusal is not None:
             self.say(f"CUDA graph: not used: {refusal}")
             return self.estimator.step
