@@ -27,7 +27,7 @@ import torch
 from bench_estimators import frey_stand_in
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.trainer import run
+from eblvm_core.session import run
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [

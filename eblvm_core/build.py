@@ -12,11 +12,13 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError, DataError
 from eblvm_core.graphs import graph_refusal
-from eblvm_core.recipe import Recipe, Role, Section
+from eblvm_core.recipe import Recipe, Role, Section, load_recipe, read, validate
 from eblvm_core.registry import did_you_mean
+from eblvm_core.spec import is_spec, load_spec
 
 
 @attrs.define
@@ -75,6 +77,22 @@ def auto_on_cpu(built: Built, recipe: Recipe, device: torch.device) -> str | Non
     if refusal is None:
         return None
     return f"{count:,} trainable parameters, too few for the GPU to pay without a CUDA graph ({refusal})"
+
+
+SMALL_MODEL = 10_000  # parameters below which one CPU thread is fastest (docs/benchmarks.md)
+
+
+def set_threads(threads: int, device: torch.device, parts: Parts) -> int:
+    """Set torch's CPU threads and return the number in use: ``threads`` when > 0 ([run] threads);
+    for 0, one thread on a CPU when the networks hold fewer than SMALL_MODEL parameters (a tiny
+    model's steps are many tiny operations, which a second thread only slows: 3-10x on 2 busy
+    cores, to the same bits; docs/benchmarks.md), else the current setting."""
+    if threads == 0 and device.type == "cpu":
+        size = sum(p.numel() for net in parts.networks().values() for p in net.parameters())
+        threads = 1 if size < SMALL_MODEL else 0
+    if threads:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")
@@ -235,18 +253,11 @@ def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = Fals
     """``eblvm validate``: build a recipe (or every method of a comparison spec) on the CPU
     without training or writing; returns the warnings. Raises what ``run`` would raise before
     its first step. Without ``check_data`` data sets may stand in for absent files."""
-    from eblvm_core import checkpoint as ckpt
-    from eblvm_core.recipe import read, validate
-
     raw = read(path)
-    if "compare" in raw or "method" in raw:
-        from eblvm_core.compare import load_spec
-
+    if is_spec(raw):
         spec = load_spec(path, overrides)
         recipes = [validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods]
     else:
-        from eblvm_core.recipe import load_recipe
-
         recipes = [load_recipe(path, overrides)]
     warnings: list[str] = []
     for recipe in recipes:

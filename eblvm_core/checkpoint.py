@@ -1,5 +1,5 @@
-"""Atomic checkpoints, safe loading, checksums, the RNG states a bit-exact resume needs, and
-run directories.
+"""Atomic checkpoints, safe loading, checksums, the RNG states a bit-exact resume needs, where a
+run directory keeps its checkpoints, and the rule that a checkpoint belongs to its recipe.
 
 A checkpoint is a dict saved by ``torch.save`` and loaded weights-only. ``seal`` adds
 ``"checksum"``: the SHA-256 of every tensor's bytes (with dtype and shape) and every plain value
@@ -24,6 +24,9 @@ import numpy as np
 import torch
 
 from eblvm_core.errors import CheckpointError
+from eblvm_core.recipe import Recipe, differences, training_part
+
+CHECKPOINT_FORMAT = 3  # 3: a checksum and the training part of the recipe; 2 (neither) still loads
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
@@ -168,25 +171,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def new_run_dir(out: str | Path, name: str) -> Path:
-    """``<out>/<name>/<YYYYmmdd-HHMMSS>`` (suffixed ``-1``, ``-2``... if taken), created with its
-    ``checkpoints/``; safe when several runs start in the same second (mkdir is the claim)."""
-    import time
-
-    parent = Path(out) / name
-    parent.mkdir(parents=True, exist_ok=True)
-    stamp, i = time.strftime("%Y%m%d-%H%M%S"), 0
-    while True:
-        path = parent / (stamp if i == 0 else f"{stamp}-{i}")
-        try:
-            path.mkdir()
-        except FileExistsError:
-            i += 1
-            continue
-        (path / "checkpoints").mkdir()
-        return path
-
-
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
     """Delete the ``.<name>.pt.*.tmp`` files a kill during ``save_atomic`` left in checkpoints/;
     call it only while holding the run directory's lock. Returns what it removed."""
@@ -199,3 +183,19 @@ def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
 
 def last_checkpoint(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints" / "last.pt"
+
+
+def best_checkpoint(run_dir: str | Path) -> Path:
+    """Where the checkpoint with the best [run] select_metric is kept."""
+    return Path(run_dir) / "checkpoints" / "best.pt"
+
+
+def check_checkpoint_recipe(state: dict[str, Any], recipe: Recipe, path: str | Path) -> None:
+    """Refuse a checkpoint written by another recipe (one that trains something else), naming the first difference."""
+    if "recipe" not in state:  # format 2
+        return
+    for key, theirs, ours in differences(state["recipe"], training_part(recipe.to_dict())):
+        raise CheckpointError(
+            str(path),
+            f"written by another recipe: {key} is {theirs!r} there and {ours!r} in {recipe.path}",
+        )

@@ -63,7 +63,7 @@ def run(
         _launch(nproc_per_node, recipe, override, device, out, resume)
 
     def go() -> None:
-        from eblvm_core.trainer import run as train
+        from eblvm_core.session import run as train
 
         run_dir, results = train(recipe, override, device, out, resume, echo=typer.echo)
         if os.environ.get("RANK", "0") != "0":

@@ -18,21 +18,15 @@ import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.build import Built, _make, build, pick_device
+from eblvm_core.build import Built, _make, build, pick_device, set_threads
 from eblvm_core.config import structure
 from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.plot import scatter
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
-from eblvm_core.trainer import (
-    CHECKPOINT_FORMAT,
-    Trainer,
-    best_checkpoint,
-    check_checkpoint_recipe,
-    json_row,
-    set_threads,
-)
+from eblvm_core.rundir import append_metrics
+from eblvm_core.state import RunState
 
 
 @attrs.define
@@ -56,7 +50,7 @@ def resolve_checkpoint(run_dir: Path, which: str) -> Path:
     if which == "last":
         path = ckpt.last_checkpoint(run_dir)
     elif which == "best":
-        path = best_checkpoint(run_dir)
+        path = ckpt.best_checkpoint(run_dir)
     else:
         path = Path(which)
     if not path.exists():
@@ -95,15 +89,15 @@ def load_run(
         recipe = with_run(recipe, device=device)
     path = resolve_checkpoint(run_dir, checkpoint)
     torch_device = pick_device(recipe.run.device)
-    state = ckpt.read_checkpoint(path, map_location=torch_device, format=CHECKPOINT_FORMAT)
-    check_checkpoint_recipe(state, original, path)
+    state = ckpt.read_checkpoint(path, map_location=torch_device, format=ckpt.CHECKPOINT_FORMAT)
+    ckpt.check_checkpoint_recipe(state, original, path)
     built = build(recipe, torch_device)
     set_threads(recipe.run.threads, torch_device, built.parts)
-    trainer = Trainer(recipe, built, run_dir, echo=lambda _line: None)
-    trainer.restore(state, training=False, source=path)
-    trainer.use_ema()
+    restored = RunState(recipe, built, run_dir)
+    restored.restore(state, training=False, source=path)
+    restored.use_ema()
     ckpt.seed_everything(seed)
-    return LoadedRun(run_dir, recipe, built, trainer.step, checkpoint, seed)
+    return LoadedRun(run_dir, recipe, built, restored.step, checkpoint, seed)
 
 
 def evaluator_tables(names: list[str]) -> list[dict[str, Any]]:
@@ -131,8 +125,7 @@ def record(run: LoadedRun, result: EvalResult) -> list[Path]:
     """Append the scalars to metrics.jsonl and write the images as PNG; returns the image paths."""
     from torchvision.utils import save_image
 
-    with open(run.run_dir / "metrics.jsonl", "a") as fh:
-        fh.write(json_row(run.step, result.scalars, checkpoint=run.checkpoint) + "\n")
+    append_metrics(run.run_dir, run.step, result.scalars, checkpoint=run.checkpoint)
     paths = []
     for key, image in result.images.items():
         path = run.run_dir / "eval" / f"{key.removeprefix('eval/').replace('/', '-')}-step{run.step}.png"

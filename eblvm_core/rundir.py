@@ -1,5 +1,6 @@
-"""What a run directory records besides checkpoints and metrics: the lock that keeps a second
-process out, ``run.json`` (provenance) and ``run.log`` (the console output).
+"""A run directory's life and records besides checkpoints: its creation, the lock that keeps a
+second process out, ``recipe.toml`` (the resolved recipe), ``metrics.jsonl`` (one JSON row per
+logged step or evaluation), ``run.json`` (provenance) and ``run.log`` (the console output).
 
 ``run.json`` holds the eblvm, torch and Python versions, the device, the number of processes and
 of CPU threads, the command line, the working directory, the git commit of eblvm's checkout (when
@@ -10,19 +11,100 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import shlex
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from eblvm_core.errors import EblvmError
+from eblvm_core.errors import EblvmError, FileSystemError
+from eblvm_core.recipe import Recipe
 
 LOCK = ".lock"
 PROVENANCE = "run.json"
 LOG = "run.log"
+METRICS = "metrics.jsonl"
+RECIPE = "recipe.toml"
+
+
+def new_run_dir(out: str | Path, name: str) -> Path:
+    """``<out>/<name>/<YYYYmmdd-HHMMSS>`` (suffixed ``-1``, ``-2``... if taken), created with its
+    ``checkpoints/``; safe when several runs start in the same second (mkdir is the claim). A
+    FileSystemError when ``out`` refuses."""
+    try:
+        parent = Path(out) / name
+        parent.mkdir(parents=True, exist_ok=True)
+        stamp, i = time.strftime("%Y%m%d-%H%M%S"), 0
+        while True:
+            path = parent / (stamp if i == 0 else f"{stamp}-{i}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                i += 1
+                continue
+            (path / "checkpoints").mkdir()
+            return path
+    except OSError as exc:
+        raise FileSystemError(
+            f"{exc.filename or out}: cannot create the run directory: {exc.strerror or exc}"
+        ) from None
+
+
+def write_recipe(recipe: Recipe, run_dir: Path) -> None:
+    """The resolved recipe as run_dir/recipe.toml, atomically."""
+    import tomli_w
+
+    tmp = run_dir / f".{RECIPE}.tmp"
+    tmp.write_text(tomli_w.dumps(recipe.to_dict()))
+    os.replace(tmp, run_dir / RECIPE)
+
+
+def json_row(step: int, scalars: dict[str, float], **extra: Any) -> str:
+    """One metrics.jsonl line: valid JSON, non-finite values written as null and listed with
+    their value under ``"nonfinite"`` (e.g. ``{"eval/x": "nan"}``)."""
+    row: dict[str, Any] = {"step": step, **extra}
+    bad = {}
+    for key, value in scalars.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            row[key], bad[key] = None, repr(value)
+        else:
+            row[key] = value
+    if bad:
+        row["nonfinite"] = bad
+    return json.dumps(row, allow_nan=False)
+
+
+def append_metrics(run_dir: Path, step: int, scalars: dict[str, float], **extra: Any) -> None:
+    """Append one row to run_dir/metrics.jsonl (``json_row``)."""
+    with open(run_dir / METRICS, "a") as fh:
+        fh.write(json_row(step, scalars, **extra) + "\n")
+
+
+def clean_metrics(run_dir: Path, step: int, final_pending: bool) -> None:
+    """Drop the training rows of metrics.jsonl written after the checkpoint at ``step`` (they are
+    written again as training resumes), and the final evaluation's rows when it runs again;
+    rows of ``eblvm eval`` (with a "checkpoint" key) stay."""
+    path = run_dir / METRICS
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a kill
+        rerun = row.get("step", 0) > step or (
+            final_pending and row.get("step") == step and any(k.startswith("eval/") for k in row)
+        )
+        if "checkpoint" in row or not rerun:
+            kept.append(line)
+    tmp = path.with_name(f".{METRICS}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 class RunLock:

@@ -788,7 +788,7 @@ def run_short(
     import tomli_w
 
     from eblvm_core.recipe import apply_override
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     raw = _read_recipe(recipe)
     raw.setdefault("run", {}).setdefault("seed", 0)

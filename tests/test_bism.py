@@ -317,7 +317,7 @@ def test_the_new_recipes_validate(cli):
 
 
 def test_a_short_cpu_run_of_grbm_bissm(tmp_path):
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     overrides = ["run.steps=20", "run.log_every=10", "eval.1.grid=20"]
     run_dir, results = run(RECIPES / "grbm_bissm.toml", overrides, device="cpu", out=tmp_path, echo=lambda _: None)

@@ -11,8 +11,8 @@ import torch
 
 from eblvm_core.checkpoint import last_checkpoint
 from eblvm_core.contracts import exact_score
+from eblvm_core.session import run
 from eblvm_core.testing import tiny_grbm_setup
-from eblvm_core.trainer import run
 from tests.test_images import frey_images, write_frey
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -285,7 +285,7 @@ def test_samples_image_layouts():
 def test_resume_restores_the_estimator_state(write_recipe, tmp_path, estimator):
     """PCD's chains, NCE's log-normaliser and VNCE's posterior and optimizers round-trip:
     10 + 10 resumed steps equal 20 uninterrupted ones."""
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     extra = (
         '\n[posterior]\nkind = "bernoulli"\n\n[divergence]\nkind = "kl"\n\n[optim.posterior]\nkind = "adam"\n'
@@ -386,7 +386,7 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     reuses CD's recorded result without training it, continues DSM from its checkpoint to the
     same parameters and numbers as an uninterrupted run, and tabulates the curve at given steps."""
     from eblvm_core import compare as comparison
-    from eblvm_core.trainer import run as train
+    from eblvm_core.session import run as train
 
     spec = write_spec(
         tmp_path,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.rundir import RunLock
+from eblvm_core.rundir import RunLock, new_run_dir
 from tests.conftest import SMALL_RECIPE
 
 QUIET = lambda _line: None  # noqa: E731
@@ -50,7 +50,7 @@ def one_line(result, code: int = 2) -> str:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     folder = tmp_path_factory.mktemp("trained")
     recipe = folder / "r.toml"
@@ -111,7 +111,7 @@ def test_a_finished_run_resumed_does_nothing_and_says_so(cli, run_copy):
 
 
 def test_a_checkpoint_from_another_recipe_is_refused(cli, run_copy, tmp_path, write_recipe):
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     other = write_recipe(SMALL_RECIPE.replace("sigma = 0.1", "sigma = 0.2"), name="o.toml")
     other_dir, _ = run(other, out=tmp_path / "other", echo=QUIET)
@@ -126,7 +126,7 @@ def test_a_checkpoint_from_another_recipe_is_refused(cli, run_copy, tmp_path, wr
 def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_recipe, tmp_path):
     """Killed (kill -9) with metrics logged after its last checkpoint, then resumed: every training
     step is logged once, and the final parameters equal an uninterrupted run's."""
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     recipe = write_recipe(
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 200")
@@ -316,7 +316,7 @@ def wait_for_training(out: Path, proc: subprocess.Popen, step: int = 20) -> None
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_recipe, tmp_path, signum):
     """The interrupted run, resumed, ends with the parameters of an uninterrupted run, bit for bit."""
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     recipe = write_recipe(
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 100000")
@@ -346,9 +346,9 @@ def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_rec
 
 def poison_at(monkeypatch, step: int, what) -> None:
     """Make the built estimator call ``what(built)`` after its ``step``-th step (counted from the build)."""
-    import eblvm_core.build as build_module
+    import eblvm_core.session as session_module
 
-    real_build = build_module.build
+    real_build = session_module.build
 
     def build(*args, **kwargs):
         built = real_build(*args, **kwargs)
@@ -364,7 +364,7 @@ def poison_at(monkeypatch, step: int, what) -> None:
         built.parts.estimator.step = poisoned
         return built
 
-    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setattr(session_module, "build", build)
 
 
 def nan_sigma(built) -> None:
@@ -475,7 +475,7 @@ def test_runs_started_in_the_same_second_never_collide(tmp_path):
     def make() -> None:
         barrier.wait()
         try:
-            made.append(ckpt.new_run_dir(tmp_path, "same"))
+            made.append(new_run_dir(tmp_path, "same"))
         except Exception as exc:  # noqa: BLE001 - any failure is the finding
             errors.append(exc)
 
@@ -488,13 +488,13 @@ def test_runs_started_in_the_same_second_never_collide(tmp_path):
 
 
 def test_a_run_that_cannot_start_leaves_no_run_directory(cli, write_recipe, tmp_path, monkeypatch):
-    import eblvm_core.build as build_module
+    import eblvm_core.session as session_module
     from eblvm_core.errors import ConfigError
 
     def broken(recipe, run_dir):
         raise ConfigError("log.0", "kind", "cannot open the log")
 
-    monkeypatch.setattr(build_module, "build_loggers", broken)
+    monkeypatch.setattr(session_module, "build_loggers", broken)
     out = tmp_path / "runs"
     line = one_line(cli(["run", write_recipe(), "--out", out]))
     assert "[log.0] kind: cannot open the log" in line

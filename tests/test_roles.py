@@ -94,7 +94,7 @@ def three_roles_plugin(monkeypatch):
 
 
 def train(write_recipe, tmp_path, *overrides, name="r.toml"):
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     return run(write_recipe(RECIPE, name), list(overrides), out=tmp_path / "runs", echo=lambda _line: None)
 
@@ -133,7 +133,7 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
 
 
 def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, tmp_path):
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     recipe = write_recipe(
         RECIPE.replace("steps = 40", "steps = 600").replace("checkpoint_every = 5", "checkpoint_every = 20")
@@ -197,7 +197,7 @@ def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
     """With [optim.generator] ema = 0.8 the evaluators (in training and in `eblvm eval`) see the
     averaged generator, which the checkpoint stores beside the live one."""
     from eblvm_core.evaluate import load_run, run_evaluators
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     text = RECIPE.replace('kind = "sgd"\nlr = 1e-2', 'kind = "sgd"\nlr = 1e-2\nema = 0.8')
     run_dir, results = run(write_recipe(text, "ema.toml"), out=tmp_path / "runs", echo=lambda _line: None)

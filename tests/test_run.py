@@ -87,7 +87,7 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     recipe = write_recipe(
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 50")
@@ -124,9 +124,9 @@ def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
 
 
 def test_nan_loss_stops_cleanly_and_keeps_last_good_checkpoint(cli, write_recipe, tmp_path, monkeypatch):
-    import eblvm_core.build as build_module
+    import eblvm_core.session as session_module
 
-    real_build = build_module.build
+    real_build = session_module.build
 
     def build_with_nan(*args, **kwargs):
         built = real_build(*args, **kwargs)
@@ -144,7 +144,7 @@ def test_nan_loss_stops_cleanly_and_keeps_last_good_checkpoint(cli, write_recipe
         estimator.step = step
         return built
 
-    monkeypatch.setattr(build_module, "build", build_with_nan)
+    monkeypatch.setattr(session_module, "build", build_with_nan)
     out = tmp_path / "runs"
     result = cli(["run", write_recipe(), "--out", out])
     assert result.exit_code == 3
@@ -232,8 +232,8 @@ def test_threads_are_chosen_by_model_size():
     and on other devices; a positive value is used as it is."""
     from torch import nn
 
+    from eblvm_core.build import SMALL_MODEL, set_threads
     from eblvm_core.contracts import Parts
-    from eblvm_core.trainer import SMALL_MODEL, set_threads
 
     before = torch.get_num_threads()
     try:
@@ -306,7 +306,7 @@ def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_pa
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from eblvm_core.trainer import run
+    from eblvm_core.session import run
 
     recipe = tmp_path / "small.toml"
     recipe.write_text(SMALL_RECIPE)

@@ -1,0 +1,166 @@
+"""What a checkpoint holds of a run, and how it is written and put back: every network, each
+role's optimizer, gradient scaler and parameter average (EMA), the estimator's own state, the
+data stream's position, the RNG streams (of every rank under torchrun), the step and the best
+value of [run] select_metric. The trainer trains a ``RunState``; ``eblvm eval`` and ``sample``
+restore one without training."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eblvm_core import checkpoint as ckpt
+from eblvm_core import distributed
+from eblvm_core.build import Built
+from eblvm_core.data import Batches
+from eblvm_core.errors import CheckpointError, ConfigError
+from eblvm_core.optim import optimizer_params
+from eblvm_core.recipe import Recipe, training_part
+
+
+class RunState:
+    """The trained state of ``built`` as ``recipe`` made it, in ``run_dir``.
+
+    With W processes (torchrun) each rank draws its B/W share of every batch; the parameters
+    start as rank 0's (broadcast here) and stay equal, as ``apply_update`` averages every
+    gradient; a checkpoint keeps every rank's RNG and estimator state.
+    """
+
+    def __init__(self, recipe: Recipe, built: Built, run_dir: Path):
+        self.recipe, self.built, self.run_dir = recipe, built, Path(run_dir)
+        self.parts = built.parts
+        self.estimator = built.parts.estimator
+        self.optimizers: dict[str, torch.optim.Optimizer] = dict(self.estimator.optimizers)
+        run = recipe.run
+        self.rank, self.world = distributed.rank(), distributed.world_size()
+        if run.batch_size % self.world:
+            raise ConfigError(
+                "run",
+                "batch_size",
+                f"{run.batch_size} is the global batch and must split evenly among {self.world} processes",
+                file=recipe.path,
+            )
+        self.batches = Batches(
+            self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, self.rank, self.world
+        )
+        self.step = 0
+        self.last_saved: tuple[int, Path] | None = None
+        self.best: float | None = None  # best select_metric value so far
+        names = {
+            id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
+        }
+        self.param_names = {
+            role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
+            for role, opt in self.optimizers.items()
+        }
+        if self.world > 1:  # every rank starts from rank 0's networks and trained tensors
+            states = [t for net in self.parts.networks().values() for t in net.state_dict().values()]
+            extra = [p for opt in self.optimizers.values() for p in optimizer_params(opt) if id(p) not in names]
+            distributed.broadcast_(states + extra)
+        self.ema = {
+            role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
+            for role, spec in recipe.optim.items()
+            if spec.ema is not None
+        }
+
+    def state(self) -> dict[str, Any]:
+        scalers = {
+            role: opt.grad_scaler.state_dict() for role, opt in self.optimizers.items() if hasattr(opt, "grad_scaler")
+        }
+        return {
+            "format": ckpt.CHECKPOINT_FORMAT,
+            "step": self.step,
+            "networks": {name: net.state_dict() for name, net in self.parts.networks().items()},
+            "optimizers": {role: opt.state_dict() for role, opt in self.optimizers.items()},
+            "scalers": scalers,
+            "ema": self.ema,
+            "estimator": self.estimator.state_dict(),
+            "data": self.batches.state_dict(),
+            "rng": ckpt.rng_state(),
+            "best": self.best,
+            "recipe": training_part(self.recipe.to_dict()),
+        }
+
+    def restore(self, state: dict[str, Any], training: bool = True, source: str | Path = "checkpoint") -> None:
+        """Load a checkpoint (from ``ckpt.read_checkpoint``): networks, estimator state and EMA
+        always; with ``training`` also the optimizers, gradient scalers, data position, RNG
+        streams and best value. A checkpoint that does not fit this run's parts is a
+        CheckpointError naming ``source``.
+
+        Each rank takes its own RNG and estimator state (``state["ranks"]``) when the checkpoint
+        was written by as many processes; otherwise every rank takes rank 0's estimator state
+        and ranks > 0 draw fresh streams, seeded from (seed, step, rank).
+        """
+        try:
+            self._restore(state, training)
+        except (KeyError, IndexError, RuntimeError, ValueError, TypeError) as exc:
+            what = " ".join(str(exc).split()) or type(exc).__name__
+            raise CheckpointError(str(source), f"does not fit this run's parts: {what}") from None
+        if training:
+            self.last_saved = (self.step, Path(source))
+
+    def _restore(self, state: dict[str, Any], training: bool) -> None:
+        for name, net in self.parts.networks().items():
+            net.load_state_dict(state["networks"][name])
+        ranks = state.get("ranks")
+        other_world = ranks is None or len(ranks) != self.world
+        own = state if other_world else ranks[self.rank]
+        self.estimator.load_state_dict(own["estimator"])
+        for role, values in state["ema"].items():
+            self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role], strict=True)]
+        self.step = int(state["step"])
+        if not training:
+            return
+        for role, opt in self.optimizers.items():
+            opt.load_state_dict(state["optimizers"][role])
+            if role in state["scalers"]:
+                opt.grad_scaler.load_state_dict(state["scalers"][role])
+        self.batches.load_state_dict(state["data"])
+        ckpt.set_rng_state(own["rng"])
+        if other_world and self.rank:
+            ckpt.seed_everything(distributed.rank_seed(self.recipe.run.seed + self.step, self.rank))
+        self.best = state.get("best")
+
+    def save(self) -> None:
+        """Write checkpoints/last.pt (rank 0, atomically); with W > 1 it gathers every rank's RNG
+        and estimator state into ``state["ranks"]`` (a collective)."""
+        state = self.state()
+        if self.world > 1:
+            state["ranks"] = distributed.gather({"rng": state["rng"], "estimator": state["estimator"]})
+        path = ckpt.last_checkpoint(self.run_dir)
+        if self.rank == 0:
+            ckpt.save_atomic(ckpt.seal(state), path)
+        self.last_saved = (self.step, path)
+
+    # ---- EMA ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        for role, averages in self.ema.items():
+            decay = self.recipe.optim[role].ema
+            torch._foreach_lerp_(averages, optimizer_params(self.optimizers[role]), 1.0 - decay)
+
+    @torch.no_grad()
+    def use_ema(self) -> None:
+        """Put the averaged parameters in place for good (evaluating or sampling a saved run)."""
+        for role, averages in self.ema.items():
+            torch._foreach_copy_(optimizer_params(self.optimizers[role]), averages)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Within the block, every role with an EMA holds its averaged parameters."""
+        saved = {}
+        with torch.no_grad():
+            for role, averages in self.ema.items():
+                params = optimizer_params(self.optimizers[role])
+                saved[role] = [p.detach().clone() for p in params]
+                torch._foreach_copy_(params, averages)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for role, values in saved.items():
+                    torch._foreach_copy_(optimizer_params(self.optimizers[role]), values)
