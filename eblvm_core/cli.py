@@ -133,6 +133,9 @@ def plugins() -> None:
             for name in names:
                 entry = loaded[kind].get(name)
                 typer.echo(f"  {kind[:-1]} {name}: {entry.doc}")
+                keys = entry.reported_keys()
+                if keys:
+                    typer.echo(f"      reports: {', '.join(keys)}")
                 for field, tp, default, help_ in describe(entry.config):
                     typer.echo(f"      {field}: {tp} = {default}  {help_}".rstrip())
         for cmd, _fn, plugin in loaded.commands:
@@ -227,7 +230,7 @@ def sample(
         path.parent.mkdir(parents=True, exist_ok=True)
         save_image(image, path)
         values = save_samples(samples, path, raw)
-        typer.echo(f"{n} samples (step {run.step}, sampler settings: {source}) -> {path}, {values}")
+        typer.echo(f"{n} samples (step {run.step}, sampler {source}) -> {path}, {values}")
 
     guarded(go)
 

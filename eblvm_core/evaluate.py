@@ -136,21 +136,23 @@ def record(run: LoadedRun, result: EvalResult) -> list[Path]:
 
 
 def pick_sampler(run: LoadedRun, name: str | None = None) -> tuple[Sampler, str]:
-    """The sampler ``eblvm sample`` uses and where its settings come from: the recipe's
-    [sampler]; else the first [[eval]] that draws samples (a ``sampler`` and its
-    ``sampler_options``, as sample-grid and fid have), so that samples look as in TensorBoard;
-    else the sampler registered as the default for the model kind (a factory lists those kinds
-    in ``default_for``, e.g. ``gibbs`` for ``grbm``) with its defaults. ``name`` picks a sampler
-    by name, with the recipe's settings for it where the recipe has some."""
+    """The sampler ``eblvm sample`` uses, and a label naming it and where its settings come from
+    (``gibbs ([eval.1] sample-grid)``): the recipe's [sampler]; else the first [[eval]] that
+    draws samples (a ``sampler`` and its ``sampler_options``, as sample-grid and fid have), so
+    that samples look as in TensorBoard; else the sampler registered as the default for the model
+    kind (a factory lists those kinds in ``default_for``, e.g. ``gibbs`` for ``grbm``) with its
+    defaults (``gibbs (defaults)``). ``name`` picks a sampler by name, with the recipe's settings
+    for it where the recipe has some."""
     registry = load()["samplers"]
     sampler_section = run.recipe.parts.get("sampler")
     if sampler_section is not None and name in (None, sampler_section.kind):
-        return run.parts.sampler, "[sampler]"
+        return run.parts.sampler, f"{sampler_section.kind} ([sampler])"
     for i, section in enumerate(run.recipe.evals):
         chosen = getattr(section.config, "sampler", None)
         options = getattr(section.config, "sampler_options", None)
         if isinstance(chosen, str) and isinstance(options, dict) and name in (None, chosen):
-            return _sampler(registry, chosen, options, f"eval.{i}", run), f"[eval.{i}] {section.kind}"
+            sampler = _sampler(registry, chosen, options, f"eval.{i}", run)
+            return sampler, f"{chosen} ([eval.{i}] {section.kind})"
     if name is None:
         model_kind = run.recipe.parts["model"].kind
         candidates = [e.name for e in registry.entries() if model_kind in getattr(e.factory, "default_for", ())]
@@ -160,7 +162,7 @@ def pick_sampler(run: LoadedRun, name: str | None = None) -> tuple[Sampler, str]
                 f"(registered: {', '.join(registry.names()) or 'none'})"
             )
         name = candidates[0]
-    return _sampler(registry, name, {}, "--sampler", run), "defaults"
+    return _sampler(registry, name, {}, "--sampler", run), f"{name} (defaults)"
 
 
 def _sampler(registry: Any, name: str, options: dict[str, Any], label: str, run: LoadedRun) -> Sampler:
@@ -198,7 +200,7 @@ def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
 
 
 def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor, str]:
-    """(samples (n, *event_shape), their image, where the sampler's settings come from) from the run's model."""
+    """(samples (n, *event_shape), their image, the sampler's name and where its settings come from) from the run's model."""
     chosen, source = pick_sampler(run, sampler)
     generator = torch.Generator(device=run.parts.device).manual_seed(run.seed)
     samples = chosen.sample(run.parts.model, n, generator)

@@ -23,7 +23,7 @@ import attrs
 import pluggy
 
 from eblvm_core import hookspecs
-from eblvm_core.registry import KINDS, Registry
+from eblvm_core.registry import KINDS, Registry, did_you_mean
 
 GROUP = "eblvm"
 DISTRIBUTION = "eblvm"  # the distribution whose entry points are the bundled plugins
@@ -78,6 +78,18 @@ def _candidates(failed: dict[str, str]) -> list[tuple[str, str, Callable[[], Any
     return found
 
 
+def _invalid(pm: pluggy.PluginManager, name: str, exc: pluggy.PluginValidationError) -> str:
+    """Why pluggy refused plugin ``name``: each of its hooks that matches no hookspec, with the
+    closest hookspec's name, or else pluggy's own message."""
+    plugin = pm.get_plugin(name)
+    callers = (pm.get_hookcallers(plugin) or []) if plugin is not None else []
+    unknown = [caller.name for caller in callers if not caller.has_spec()]
+    if not unknown:
+        return str(exc).split(" in plugin ")[0]
+    specs = [hook for hook, caller in vars(pm.hook).items() if not hook.startswith("_") and caller.has_spec()]
+    return "; ".join(f"unknown hook '{hook}'{did_you_mean(hook, specs)}" for hook in unknown)
+
+
 def load(force: bool = False, warn: bool = True) -> Loaded:
     """Load plugins once (cached) and fill the registries through the hooks."""
     global _loaded
@@ -92,9 +104,9 @@ def load(force: bool = False, warn: bool = True) -> Loaded:
             pm.register(loader(), name=name)
             pm.check_pending()  # a hook name that matches no hookspec (a typo)
         except pluggy.PluginValidationError as exc:
+            failed[name] = _invalid(pm, name, exc)
             if pm.get_plugin(name) is not None:
                 pm.unregister(name=name)
-            failed[name] = str(exc).split(" in plugin ")[0]
         except (Exception, SystemExit) as exc:  # a broken plugin must not take the others down
             failed[name] = f"{type(exc).__name__}: {exc}"
         else:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
+import string
 from collections.abc import Callable
 from typing import Any
 
@@ -57,13 +60,63 @@ class NoConfig:
 
 @attrs.frozen
 class Entry:
-    """One registered component: ``factory(config, parts)`` builds it."""
+    """One registered component: ``factory(config, parts)`` builds it.
+
+    ``doc`` is the first paragraph of the factory's docstring; ``reports`` the key templates of
+    its ``Reports:`` paragraph (None without one).
+    """
 
     name: str
     factory: Callable[..., Any]
     config: type
     plugin: str
     doc: str
+    reports: tuple[str, ...] | None = None
+
+    def reported_keys(self, config: Any = None) -> tuple[str, ...] | None:
+        """The declared keys, each ``{option}`` replaced by its value in ``config`` (default: the
+        options' defaults; a required option stays ``{option}``); None when nothing is declared."""
+        if self.reports is None:
+            return None
+        if config is None:
+            values = {f.name: _default(f) for f in attrs.fields(self.config)}
+        else:
+            values = {f.name: getattr(config, f.name) for f in attrs.fields(type(config))}
+        return tuple(template.format_map(values) for template in self.reports)
+
+
+def _default(field: attrs.Attribute) -> Any:
+    """An option's default; a required option stays ``{name}``."""
+    if field.default is attrs.NOTHING:
+        return f"{{{field.name}}}"
+    if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
+        return field.default.factory()
+    return field.default
+
+
+REPORTS = "Reports:"
+
+
+def read_docstring(text: str) -> tuple[str, tuple[str, ...] | None]:
+    """(first paragraph as one line, key templates of a ``Reports: key, key`` paragraph or None)."""
+    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", inspect.cleandoc(text))]
+    reports = next((p.removeprefix(REPORTS) for p in paragraphs if p.startswith(REPORTS)), None)
+    keys = None if reports is None else tuple(k.strip() for k in reports.rstrip(".").split(",") if k.strip())
+    return paragraphs[0], keys
+
+
+def _check_templates(keys: tuple[str, ...], config: type, what: str) -> None:
+    """Refuse a key that holds a space or a ``{field}`` that is not an option of ``config``."""
+    options = sorted(f.name for f in attrs.fields(config))
+    for key in keys:
+        if " " in key:
+            raise TypeError(f"{what}: {REPORTS} key '{key}' holds a space (separate keys with commas)")
+        for _text, field, _spec, _conversion in string.Formatter().parse(key):
+            if field is not None and field not in options:
+                raise TypeError(
+                    f"{what}: {REPORTS} key '{key}' names {{{field}}}, not an option of "
+                    f"{config.__name__}{did_you_mean(field, options)}"
+                )
 
 
 def did_you_mean(name: str, choices: list[str]) -> str:
@@ -95,8 +148,10 @@ class Registry:
         if name in self._entries:
             other = self._entries[name].plugin
             raise ValueError(f"{self.kind} '{name}' registered twice (by {other} and {plugin})")
-        text = doc or (factory.__doc__ or "").strip().split("\n")[0]
-        self._entries[name] = Entry(name, factory, config, plugin, text)
+        text, reports = read_docstring(doc or factory.__doc__ or "")
+        if reports is not None:
+            _check_templates(reports, config, f"{self.kind} '{name}'")
+        self._entries[name] = Entry(name, factory, config, plugin, text, reports)
 
     def withdraw(self, plugin: str) -> None:
         """Remove every component ``plugin`` registered (a plugin that failed part-way)."""

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 import attrs
 import pytest
+import torch
 
+from eblvm_core.config import structure
 from eblvm_core.errors import ConfigError
-from eblvm_core.registry import Registry
+from eblvm_core.plugins import load
+from eblvm_core.registry import KIND_NAMES, Registry
+from eblvm_core.testing import linear_gaussian_parts
+from tests.conftest import SMALL_RECIPE
 
 
 def fake_distribution(site: Path, plugin: str, module: str, source: str) -> None:
@@ -91,11 +98,18 @@ def test_misspelt_hook_is_caught(tmp_path):
         @hookimpl
         def register_model(register):
             pass
+
+        @hookimpl
+        def register_divergence(register):
+            pass
     """,
     )
     proc = eblvm(["plugins"], tmp_path)
     assert proc.returncode == 0
-    assert "plugin 'typo' failed" in proc.stderr and "register_model" in proc.stderr
+    assert "plugin 'typo' failed" in proc.stderr
+    for typo, hook in (("register_model", "register_models"), ("register_divergence", "register_divergences")):
+        why = f"unknown hook '{typo}' (did you mean '{hook}'?)"
+        assert why in proc.stderr and why in proc.stdout.split("typo  FAILED: ")[1]
 
 
 def test_registry_did_you_mean_and_duplicates():
@@ -210,3 +224,180 @@ def test_help_imports_neither_torch_nor_plugins(args):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "Usage" in proc.stdout and "HEAVY []" in proc.stdout, proc.stdout[-500:] + proc.stderr[-500:]
+
+
+# ---- what `eblvm plugins` says of each component ----------------------------------------------------
+
+
+LOADED = load()
+ENTRIES = [(kind, name) for kind in KIND_NAMES for name in LOADED[kind].names()]
+
+
+@pytest.mark.parametrize("kind, name", ENTRIES, ids=[f"{k}-{n}" for k, n in ENTRIES])
+def test_every_description_is_whole_sentences(kind, name):
+    """The description is the factory docstring's whole first paragraph, so it ends a sentence
+    ('.', '!' or '?', maybe inside closing brackets or quotes), never mid-sentence as the first
+    line of a wrapped paragraph does."""
+    doc = LOADED[kind].get(name).doc
+    assert re.search(r"[.!?][)\]\"'’”]*$", doc), f"{kind[:-1]} '{name}': description ends mid-sentence: {doc!r}"
+
+
+def test_a_docstring_gives_the_description_and_the_reported_keys(tmp_path):
+    """A third-party evaluator's first paragraph, wrapped over two lines, is its description in
+    full; its ``Reports:`` keys are listed with ``{split}`` at the option's default; an evaluator
+    that declares nothing gets no reports line."""
+    fake_distribution(
+        tmp_path,
+        "probe",
+        "eblvm_probe",
+        """
+        import attrs
+        from eblvm_core.config import option
+        from eblvm_core.hookspecs import hookimpl
+
+        @attrs.frozen
+        class ProbeConfig:
+            split: str = option("val", "the split probed")
+
+        def probe(cfg, parts):
+            '''A probe whose description runs
+            over two lines.
+
+            Reports: {split}_score,
+            n_points
+            '''
+
+        def quiet(cfg, parts):
+            '''An evaluator that declares no keys.'''
+
+        @hookimpl
+        def register_evaluators(register):
+            register("probe", probe, ProbeConfig)
+            register("quiet", quiet)
+    """,
+    )
+    proc = eblvm(["plugins"], tmp_path, EBLVM_LOAD_PLUGINS="probe")
+    assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout + proc.stderr
+    block = proc.stdout.split("probe  (eblvm_probe)\n")[1]
+    assert block.splitlines()[:3] == [
+        "  evaluator probe: A probe whose description runs over two lines.",
+        "      reports: val_score, n_points",
+        "      split: str = 'val'  the split probed",
+    ]
+    assert block.splitlines()[3:] == ["  evaluator quiet: An evaluator that declares no keys."]
+
+
+def test_reported_keys_follow_the_config_and_bad_templates_are_refused():
+    @attrs.frozen
+    class Cfg:
+        n: int  # required: its template stays as written
+        split: str = "test"
+
+    def evaluator(cfg, parts):
+        """Something.
+
+        Reports: {split}_x, x_{n}, y.
+        """
+
+    reg = Registry("evaluators")
+    reg.add("e", evaluator, Cfg)
+    entry = reg.get("e")
+    assert entry.doc == "Something." and entry.reports == ("{split}_x", "x_{n}", "y")
+    assert entry.reported_keys() == ("test_x", "x_{n}", "y")
+    assert entry.reported_keys(Cfg(3, "val")) == ("val_x", "x_3", "y")
+    evaluator.__doc__ = "Something.\n\nReports: {splt}_x"
+    with pytest.raises(TypeError, match=r"names \{splt\}, not an option of Cfg \(did you mean 'split'\?\)"):
+        reg.add("misspelt", evaluator, Cfg)
+    evaluator.__doc__ = "Something.\n\nReports: x y"
+    with pytest.raises(TypeError, match="holds a space"):
+        reg.add("spaced", evaluator, Cfg)
+    assert reg.names() == ["e"]
+
+
+# Evaluators whose keys no template can declare, and why.
+UNDECLARED = {
+    "gradient-bias": "one key bias_K{K}_N{N} per pair of items of its list options inner_steps and unroll_steps"
+}
+
+
+def build_evaluator(name: str, options: dict) -> tuple[object, object]:
+    """(config, evaluator) of ``name`` built as `eblvm validate` does on the first small setup of
+    tests/test_contracts.py that it accepts."""
+    from tests.test_contracts import base_parts, bidvl_parts, deep_image_parts, image_grbm_parts
+
+    entry = LOADED["evaluators"].get(name)
+    config = structure(entry.config, options, "eval")
+    setups = (base_parts, lambda: linear_gaussian_parts()[2], image_grbm_parts, deep_image_parts, bidvl_parts)
+    refusals = []
+    for make_parts in setups:
+        parts = make_parts()
+        parts.dry_run = True
+        try:
+            return config, entry.factory(config, parts)
+        except ConfigError as exc:
+            refusals.append(str(exc))
+    pytest.fail(f"evaluator '{name}' refuses every setup: {refusals}")
+
+
+@pytest.mark.parametrize("name", LOADED["evaluators"].names())
+def test_declared_reports_are_what_the_built_evaluator_reports(name):
+    """What `eblvm plugins` lists, without building, is the ``reports`` of the evaluator built
+    with the default options, and with split = "train" where there is a split option."""
+    entry = LOADED["evaluators"].get(name)
+    split = attrs.fields_dict(entry.config).get("split")
+    variants = [{}] if split is None or split.default == "train" else [{}, {"split": "train"}]
+    for options in variants:
+        config, evaluator = build_evaluator(name, options)
+        built = getattr(evaluator, "reports", None)
+        if entry.reports is None:
+            assert not built or name in UNDECLARED, (
+                f"evaluator '{name}' reports {list(built)} but its factory's docstring has no 'Reports:' paragraph"
+            )
+        else:
+            assert built is not None, f"evaluator '{name}' declares keys but its built evaluator has no reports"
+            assert sorted(entry.reported_keys(config)) == sorted(built), (
+                f"evaluator '{name}' with {options or 'its defaults'}: docstring declares "
+                f"{list(entry.reported_keys(config))}, the built evaluator reports {list(built)}"
+            )
+
+
+# ---- `eblvm sample` names its sampler ----------------------------------------------------------------
+
+
+def loaded_run(text: str, tmp_path: Path):
+    """A LoadedRun of a recipe built on the CPU, untrained (pick_sampler reads only the recipe and parts)."""
+    from eblvm_core.build import build
+    from eblvm_core.evaluate import LoadedRun
+    from eblvm_core.recipe import validate
+
+    recipe = validate(tomllib.loads(text), "<test>")
+    return LoadedRun(tmp_path, recipe, build(recipe, torch.device("cpu")), 0, "last", 0)
+
+
+@pytest.mark.parametrize(
+    "extra, label",
+    [
+        ("", "gibbs (defaults)"),
+        ('[[eval]]\nkind = "sample-grid"\nsampler_options = { burn_in = 5 }\n', "gibbs ([eval.1] sample-grid)"),
+        ('[sampler]\nkind = "gibbs"\nburn_in = 5\n', "gibbs ([sampler])"),
+    ],
+    ids=["defaults", "eval", "section"],
+)
+def test_the_sampler_label_names_the_sampler_and_where_its_settings_come_from(extra, label, tmp_path):
+    from eblvm_core.evaluate import pick_sampler
+
+    digits = 'kind = "digits"\n'  # images, which sample-grid draws
+    recipe = SMALL_RECIPE.replace('kind = "checkerboard"\nn_train = 2000\nn_test = 500\n', digits) + "\n" + extra
+    sampler, source = pick_sampler(loaded_run(recipe, tmp_path))
+    assert source == label
+    assert sampler.cfg.burn_in == (1000 if label.endswith("(defaults)") else 5)
+
+
+def test_sample_prints_the_default_samplers_name(cli, write_recipe, tmp_path):
+    recipe = SMALL_RECIPE.replace("steps = 30", "steps = 2").replace("n_train = 2000", "n_train = 100")
+    out = tmp_path / "runs"
+    assert cli(["run", write_recipe(recipe), "--out", out, "--device", "cpu"]).exit_code == 0
+    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
+    result = cli(["sample", run_dir, "-n", "4", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "4 samples (step 2, sampler gibbs (defaults)) -> " in result.output

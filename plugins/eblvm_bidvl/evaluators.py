@@ -49,7 +49,10 @@ class ReconstructionConfig:
 
 
 def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
-    """Root-mean-square error of G(E_q[h|v]) against v per pixel, in the data's units, and an image of reconstructions."""
+    """Root-mean-square error of G(E_q[h|v]) against v per pixel, in the data's units, and an image of reconstructions.
+
+    Reports: {split}_rmse
+    """
     data = parts.need("data", "")
     parts.need("posterior", "")
     parts.need("generator", "")
@@ -110,7 +113,11 @@ def auroc(inliers: Tensor, outliers: Tensor) -> float:
 
 
 def build_ood(cfg: OODConfig, parts: Parts):
-    """OOD detection by −E_ψ(v) (or −F(v)): the AUROC of in-distribution test images against uniform noise and other data sets."""
+    """OOD detection by −E_ψ(v) (or −F(v)): the AUROC of in-distribution images against uniform noise
+    (uniform_auroc) and against each of the `against` data sets (<kind>_auroc).
+
+    Reports: uniform_auroc
+    """
     data = parts.need("data", "")
     model = parts.need("model", "")
     if model.latent is not None and not model.has_free_energy:

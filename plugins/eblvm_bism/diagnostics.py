@@ -90,5 +90,6 @@ class GradientBias:
 
 
 def build_gradient_bias(cfg: GradientBiasConfig, parts: Parts) -> GradientBias:
-    """Gradient bias of unrolled BiSM versus N and K against the exact hypergradient (BiSM Fig. 1)."""
+    """Gradient bias of unrolled BiSM versus N and K against the exact hypergradient (BiSM Fig. 1):
+    bias_K{K}_N{N} and its _stderr for each K of inner_steps and N of unroll_steps, and reference_norm."""
     return GradientBias(cfg, parts)

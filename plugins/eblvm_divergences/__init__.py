@@ -101,6 +101,8 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
     """Posterior Fisher divergence D_F(q(h|v) ‖ p(h|v)) of Eq. 11 on a data split (continuous h only).
 
     Exact, not up to a constant: ∇_h log p(h|v) = −∇_h E(v, h) because p(v) does not depend on h.
+
+    Reports: {split}_posterior_fisher, {split}_posterior_fisher_stderr
     """
     model = parts.need("model", "")
     data = parts.need("data", "")

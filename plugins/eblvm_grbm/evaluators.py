@@ -22,7 +22,10 @@ class ExactLoglikConfig:
 
 def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
     """Mean exact log p(v) in nats, enumerating the 2^m hidden states for log Z, and its standard
-    error over the split's points (sample sd / √n: the test set's own sampling error)."""
+    error over the split's points (sample sd / √n: the test set's own sampling error).
+
+    Reports: {split}_loglik, {split}_loglik_stderr
+    """
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not (callable(getattr(model, "log_partition", None)) and model.has_free_energy and model.latent is not None):
@@ -71,7 +74,10 @@ def bernoulli_kl(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def build_posterior_kl(cfg: PosteriorKLConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Exact KL(q(h|v) ‖ p(h|v)) of a factorised Bernoulli posterior against a GRBM's, which factorises too: how good q is."""
+    """Exact KL(q(h|v) ‖ p(h|v)) of a factorised Bernoulli posterior against a GRBM's, which factorises too: how good q is.
+
+    Reports: {split}_posterior_kl, {split}_posterior_kl_stderr
+    """
     from eblvm_grbm.gibbs import require_grbm
 
     require_grbm(parts.need("model", ""), "", "posterior-kl")

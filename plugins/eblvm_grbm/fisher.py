@@ -59,7 +59,11 @@ class ScoreLossConfig:
 
 
 def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Test score-matching loss ½‖s‖² + tr ∇s of the exact marginal score (Fisher divergence up to a data constant)."""
+    """Score-matching loss ½‖s‖² + tr ∇s of the exact marginal score on a data split (the Fisher
+    divergence up to a data constant).
+
+    Reports: {split}_score_loss, {split}_score_loss_stderr
+    """
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not model.has_free_energy:

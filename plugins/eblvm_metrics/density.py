@@ -57,7 +57,11 @@ def histogram(points: Tensor, bounds: tuple[tuple[float, float], ...], bins: int
 
 
 def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Model density exp(−F) normalised on a grid, beside a histogram of the data (2-D only)."""
+    """Model density exp(−F) normalised on a grid, beside a histogram of the data (2-D only); for a
+    model with log Z, also its mass inside the data's bounds (grid_mass).
+
+    Reports: grid_mass
+    """
     model = parts.need("model", "")
     data = parts.need("data", "")
     if not model.has_free_energy:

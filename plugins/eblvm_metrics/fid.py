@@ -154,7 +154,10 @@ def _cache_dir() -> Path:
 
 
 def build_fid(cfg: FIDConfig, parts: Parts) -> FID:
-    """FID of model samples against a data split, with the standard Inception network (needs eblvm[fid])."""
+    """FID of model samples against a data split, with the standard Inception network (needs eblvm[fid]).
+
+    Reports: fid
+    """
     data = parts.need("data", "")
     parts.need("model", "")
     if data.image_shape is None or data.image_shape[0] not in (1, 3):

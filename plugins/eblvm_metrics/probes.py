@@ -58,7 +58,10 @@ class SVMProbeConfig:
 
 
 def build_svm_probe(cfg: SVMProbeConfig, parts: Parts):
-    """Test accuracy of a linear SVM (scikit-learn's default LinearSVC) on posterior means, and on raw pixels."""
+    """Test accuracy of a linear SVM (scikit-learn's default LinearSVC) on posterior means, and on raw pixels.
+
+    Reports: posterior_accuracy, raw_accuracy
+    """
     _needs_labels_and_posterior(parts, ("train", "test"))
 
     @reporting(["posterior_accuracy", "raw_accuracy"] if cfg.raw else ["posterior_accuracy"])

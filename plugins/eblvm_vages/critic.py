@@ -109,5 +109,8 @@ class FisherCritic:
 
 
 def build_fisher_critic(cfg: CriticConfig, parts: Parts) -> FisherCritic:
-    """Fisher divergence D_F(data ‖ model) by a trained MLP critic (VaES score for EBLVMs)."""
+    """Fisher divergence D_F(data ‖ model) by a trained MLP critic (VaES score for EBLVMs).
+
+    Reports: fisher
+    """
     return FisherCritic(cfg, parts)
