@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import sys
+import time
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -11,12 +14,30 @@ import torch
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
+from eblvm_grbm.model import MAX_ENUMERATED_HIDDEN, default_chunk
+
+ANNOUNCE_STATES = 2**24  # enumerations of more hidden states than this say how long they will take
+
+
+def enumerable(_inst: Any, attribute: attrs.Attribute, value: int) -> None:
+    """Validator for max_hidden ≤ MAX_ENUMERATED_HIDDEN, the most hidden units exact log Z may enumerate."""
+    if value > MAX_ENUMERATED_HIDDEN:
+        raise ValueError(
+            f"must be at most {MAX_ENUMERATED_HIDDEN}, got {value}: exact-loglik enumerates 2^m hidden states "
+            f"(in chunks, so memory stays bounded) and 2^{MAX_ENUMERATED_HIDDEN} ≈ {2.0**MAX_ENUMERATED_HIDDEN:.1e} "
+            "of them already take days on a CPU; use the ais-loglik evaluator for larger models"
+        )
 
 
 @attrs.frozen
 class ExactLoglikConfig:
     split: Literal["test", "train", "val"] = option("test", "data split to average log p(v) over")
-    max_hidden: int = option(20, "refuse models with more hidden units than this (cost grows as 2^m)", positive)
+    max_hidden: int = option(
+        20,
+        f"refuse models with more hidden units than this, at most {MAX_ENUMERATED_HIDDEN} "
+        "(time grows as 2^m; memory stays bounded)",
+        [positive, enumerable],
+    )
     batch_size: int = option(10000, "points per free-energy evaluation", positive)
 
 
@@ -34,22 +55,25 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
             "kind",
             f"exact-loglik needs a GRBM-like model with free_energy and log_partition; {type(model).__name__} has not both",
         )
-    if model.latent.dim > cfg.max_hidden:
+    m = model.latent.dim
+    if m > cfg.max_hidden:
         raise ConfigError(
             "",
             "max_hidden",
-            f"exact-loglik enumerates 2^m hidden states and the model has m={model.latent.dim} > max_hidden={cfg.max_hidden}; "
-            "use an AIS estimate, or raise max_hidden if 2^m states fit in memory",
+            f"exact-loglik enumerates 2^m hidden states and the model has m={m} > max_hidden={cfg.max_hidden}; "
+            f"use the ais-loglik evaluator, or raise max_hidden (at most {MAX_ENUMERATED_HIDDEN}) "
+            f"if 2^{m} states are worth the time",
         )
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the dataset has no '{cfg.split}' split")
     key = f"{cfg.split}_loglik"
+    large = 2**m > ANNOUNCE_STATES
 
     @reporting([key, f"{key}_stderr"])
     def evaluate(parts: Parts) -> EvalResult:
         model, v = parts.model, parts.data.tensor(cfg.split)
         with torch.no_grad():
-            log_z = model.log_partition(cfg.max_hidden)
+            log_z = model.log_partition(cfg.max_hidden, progress=time_estimate() if large else None)
             loglik = torch.cat(
                 [
                     (-model.free_energy(chunk.reshape(len(chunk), -1)) - log_z).double()
@@ -58,7 +82,42 @@ def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts]
             )
         return EvalResult.mean_over_points(key, loglik)
 
+    if large:  # the trainer and `eblvm eval` print this line before it starts
+        chunk = default_chunk(data.dim, m)
+        evaluate.announce = (
+            f"log Z over 2^{m} = {2**m:,} hidden states in {math.ceil(2**m / chunk):,} chunks of {chunk:,}; "
+            "an estimate of the time left follows…"
+        )
     return evaluate
+
+
+def time_estimate(after: float = 1.0) -> Callable[[int, int], None]:
+    """A ``log_partition`` progress callback that prints once on stderr, at the first chunk ending
+    ``after`` seconds or more from its creation, how long the rest will take at the rate so far."""
+    start = time.perf_counter()
+    said = False
+
+    def progress(done: int, total: int) -> None:
+        nonlocal said
+        elapsed = time.perf_counter() - start
+        if not said and elapsed >= after and done < total:
+            said = True
+            print(
+                f"exact-loglik: {done:,} of {total:,} hidden states in {elapsed:.2g} s: "
+                f"about {about(elapsed * (total - done) / done)} to go",
+                file=sys.stderr,
+            )
+
+    return progress
+
+
+UNITS = (("days", 86400.0), ("h", 3600.0), ("min", 60.0))
+
+
+def about(seconds: float) -> str:
+    """A duration in the largest unit that keeps it ≥ 1: '0.42 s', '3.5 min', '21 h', '130 days'."""
+    value, unit = next(((seconds / size, unit) for unit, size in UNITS if seconds >= size), (seconds, "s"))
+    return f"{value:.2g} {unit}" if value < 10 else f"{value:,.0f} {unit}"
 
 
 @attrs.frozen
