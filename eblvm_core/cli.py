@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import typer
 
-from eblvm_core.errors import EblvmError
+from eblvm_core.errors import EblvmError, Interrupted, TrainingDiverged
 
 app = typer.Typer(
     add_completion=False,
@@ -28,12 +29,21 @@ def fail(message: str, code: int = 2) -> None:
 
 def guarded(fn: Callable[[], None]) -> None:
     """Run ``fn``; user-facing errors become one line on stderr and their exit code (2: a wrong
-    recipe, override or file; 3: diverged; 130: interrupted; 1: the file system refused)."""
+    recipe, override or file; 3: diverged; 130: interrupted; 1: the file system refused). Under
+    several processes a stop every rank reaches together (a signal, a divergence) is printed
+    by rank 0 alone; another rank's own error is printed with its rank."""
+    rank = int(os.environ.get("RANK", "0"))
     try:
         fn()
-    except EblvmError as exc:
+    except (Interrupted, TrainingDiverged) as exc:
+        if rank:
+            raise typer.Exit(exc.exit_code) from None
         fail(str(exc), code=exc.exit_code)
+    except EblvmError as exc:
+        fail(f"rank {rank}: {exc}" if rank else str(exc), code=exc.exit_code)
     except KeyboardInterrupt:
+        if rank:
+            raise typer.Exit(130) from None
         fail("interrupted", code=130)
 
 
@@ -48,7 +58,7 @@ def run(
         None,
         "--nproc-per-node",
         min=1,
-        help="train with this many processes on this machine, launched by torchrun (data parallel; docs/distributed.md)",
+        help="train with this many processes on this machine, started and watched by eblvm (data parallel; docs/distributed.md)",
     ),
 ) -> None:
     """Train a model as a recipe says; print the final evaluation.
@@ -60,7 +70,7 @@ def run(
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
     if nproc_per_node is not None:
-        _launch(nproc_per_node, recipe, override, device, out, resume)
+        raise typer.Exit(_launch(nproc_per_node, recipe, override, device, out, resume))
 
     def go() -> None:
         from eblvm_core.session import run as train
@@ -77,16 +87,18 @@ def run(
 
 def _launch(
     nproc: int, recipe: Path | None, override: list[str], device: str | None, out: Path, resume: Path | None
-) -> None:
-    """Replace this process by ``torchrun --standalone --nproc-per-node nproc -m eblvm run ...``."""
+) -> int:
+    """Train with ``nproc`` processes of ``python -m eblvm run ...`` started and watched by this
+    one (``eblvm_core.launch``); returns the exit code."""
     if "WORLD_SIZE" in os.environ:
         fail("--nproc-per-node: this process was launched by torchrun already")
+    from eblvm_core.launch import run_processes
+
     args = [str(recipe)] if recipe is not None else ["--resume", str(resume)]
     args += [a for o in override for a in ("-o", o)] + ["--out", str(out)]
     args += ["--device", device] if device is not None else []
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     sys.stdout.flush()
-    os.execv(sys.executable, [*torchrun, "-m", "eblvm", "run", *args])
+    return run_processes(nproc, args, resume)
 
 
 @app.command()
@@ -285,7 +297,10 @@ def main() -> None:
             else:
                 owners[name] = plugin
                 app.command(name)(fn)
-    app()
+    try:
+        app()
+    finally:  # exiting: a late Ctrl-C must not print a traceback from an exit handler
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.errors import ConfigError
+from eblvm_core.rundir import Provenance
 from eblvm_core.spec import Spec, load_spec, slug
 
 PALETTE = (
@@ -210,7 +211,8 @@ def compare(
     """Run the spec's methods over seeds and write table.md, figure.png and results.json into
     ``out`` (default results/<name>); returns that folder. ``steps`` sets run.steps of every
     method (quick or smoke runs); ``overrides`` apply to every method after the spec's; ``only``
-    names the methods to train (the others are tabulated from earlier runs in ``out``, if any)."""
+    names the methods to train (the others are tabulated from earlier runs in ``out``: their
+    records in done/, else their finished run directories, without training)."""
     import tomli_w
 
     from eblvm_core.recipe import load_recipe
@@ -267,9 +269,13 @@ def compare(
             echo(f"  {task['method']} seed {task['seed']}: done earlier, not rerun  {earlier['run_dir']}")
             by_index[index] = earlier
             continue
-        if only and task["method"] not in only:
-            continue
         unfinished = unfinished_run(task, resolved[index])
+        if only and task["method"] not in only:
+            if unfinished is not None and not unfinished[1] and Provenance(unfinished[0]).finished:
+                task["resume"] = str(unfinished[0])  # tabulated as it stands: nothing is trained
+                echo(f"  {task['method']} seed {task['seed']}: finished earlier, tabulated  {unfinished[0]}")
+                pending.append(index)
+            continue
         if unfinished is not None:
             task["resume"], task["resume_overrides"] = str(unfinished[0]), unfinished[1]
             echo(f"  {task['method']} seed {task['seed']}: continuing {unfinished[0]}")

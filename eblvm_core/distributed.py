@@ -133,19 +133,33 @@ def average_gradients(grads: Sequence[Tensor], cap: int = BUCKET_BYTES) -> None:
         torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """y = Σ_ranks x, differentiable any number of times: the gradient of every rank's x is the
+    sum over ranks of the gradients of y (each rank's loss depends on every rank's x), itself
+    this function; so a graph that uses y sends the same ∂/∂x back to every rank."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return _SumOverRanks.apply(grad)
+
+
 def mean_over_ranks(tensors: Sequence[Tensor]) -> list[Tensor]:
     """The mean over ranks of each tensor, differentiable: the backward pass all-reduces the
-    incoming gradients too (``torch.distributed.nn``). For gradients inside a later graph, e.g. an
+    incoming gradients too (``_SumOverRanks``). For gradients inside a later graph, e.g. an
     unrolled lower-level step φ − α·∂G/∂φ, so that ∂G/∂φ is the gradient of the union of the
     ranks' batches. ``list(tensors)`` without a process group or inside ``local()``."""
     if not active():
         return list(tensors)
-    from torch.distributed.nn.functional import all_reduce
-
     world = dist.get_world_size()
     out: list[Tensor] = []
     for bucket in buckets(tensors, cap=2**62):  # one all-reduce per dtype and device
-        mean = all_reduce(torch.cat([t.reshape(-1) for t in bucket])) / world
+        mean = _SumOverRanks.apply(torch.cat([t.reshape(-1) for t in bucket])) / world
         out += [part.view_as(t) for part, t in zip(mean.split([t.numel() for t in bucket]), bucket)]
     return out
 

@@ -2,13 +2,15 @@
 second process out, ``recipe.toml`` (the resolved recipe), ``metrics.jsonl`` (one JSON row per
 logged step or evaluation), ``run.json`` (provenance) and ``run.log`` (the console output).
 
-``run.json`` holds the eblvm, torch and Python versions, the device, the number of processes and
-of CPU threads, the command line, the working directory, the git commit of eblvm's checkout (when
-it runs from one), and the start, end and status of the first session and of every resume.
+``run.json`` holds the eblvm, torch and Python versions, every plugin with the distribution and
+version that installed it, the device, the number of processes and of CPU threads, the command
+line as typed, the working directory, the git commit of eblvm's checkout (when it runs from
+one), and the start, end and status of the first session and of every resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -29,6 +31,8 @@ PROVENANCE = "run.json"
 LOG = "run.log"
 METRICS = "metrics.jsonl"
 RECIPE = "recipe.toml"
+COMMAND = "EBLVM_COMMAND"  # set by ``eblvm run --nproc-per-node``: the command line as typed, for run.json
+RUN_DIR_FILE = "EBLVM_RUN_DIR_FILE"  # set by it too: where rank 0 says which run directory it trains
 
 
 def new_run_dir(out: str | Path, name: str) -> Path:
@@ -109,8 +113,11 @@ def clean_metrics(run_dir: Path, step: int, final_pending: bool) -> None:
 
 class RunLock:
     """An exclusive ``flock`` on ``<run_dir>/.lock``, held while a process trains in the run
-    directory; the system releases it when the process ends, even by kill -9. Without ``fcntl``
-    (Windows) it locks nothing."""
+    directory; the system releases it when the process ends, even by kill -9. ``release``
+    deletes the file while still holding the lock, so a finished run leaves none behind;
+    ``acquire`` checks that the file it locked is still the one at the path (a process that
+    opened it just before it was deleted locks a new one instead). Without ``fcntl`` (Windows)
+    it locks nothing."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / LOCK
@@ -122,16 +129,24 @@ class RunLock:
             import fcntl
         except ImportError:  # pragma: no cover - not on POSIX
             return self
-        handle = open(self.path, "a+")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
-            raise EblvmError(
-                f"{self.path.parent}: in use by {holder}; wait for it to end (two processes must not train one run)"
-            ) from None
+        while True:
+            handle = open(self.path, "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise EblvmError(
+                    f"{self.path.parent}: in use by {holder}; wait for it to end (two processes must not train one run)"
+                ) from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            handle.close()  # deleted by the holder that just released it: lock the new file
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -140,8 +155,11 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        """Delete the lock file and drop the lock (closing the file drops the flock)."""
         if self.handle is not None:
-            self.handle.close()  # closing drops the flock
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.handle.close()
             self.handle = None
 
 
@@ -172,8 +190,37 @@ def git_commit() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
+def plugin_versions() -> dict[str, dict[str, str | None]]:
+    """Every plugin loaded for this run, by name: its module and the distribution that installed it
+    with its version (eblvm's own for the bundled ones; None for a module loaded through
+    EBLVM_PLUGIN_MODULES, with the file it came from)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    from eblvm_core.plugins import BUILTIN, DISTRIBUTION, GROUP, load
+
+    installed = {ep.name: getattr(ep, "dist", None) for ep in entry_points(group=GROUP)}
+    with contextlib.suppress(PackageNotFoundError):
+        installed.update({name: distribution(DISTRIBUTION) for name in BUILTIN})  # the core's own
+    out: dict[str, dict[str, str | None]] = {}
+    for info in load().plugins:
+        dist = installed.get(info.name)
+        entry: dict[str, str | None] = {
+            "module": info.module,
+            "distribution": getattr(dist, "name", None),
+            "version": getattr(dist, "version", None),
+        }
+        if dist is None:
+            spec = importlib.util.find_spec(info.module.split(":")[0])
+            entry["file"] = getattr(spec, "origin", None) if spec else None
+        out[info.name] = entry
+    return out
+
+
 def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
-    """Provenance of this process's session on a run, starting at ``step``."""
+    """Provenance of this process's session on a run, starting at ``step``: the command as typed
+    (``eblvm run --nproc-per-node N ...`` for the launch, not what each rank ran), versions,
+    where it ran, and every plugin with its distribution and version."""
     import torch
 
     from eblvm_core import __version__
@@ -183,7 +230,7 @@ def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
         "ended": None,
         "status": "running",
         "from_step": step,
-        "command": shlex.join(sys.argv),
+        "command": os.environ.get(COMMAND) or shlex.join(sys.argv),
         "cwd": os.getcwd(),
         "host": socket.gethostname(),
         "eblvm": __version__,
@@ -193,6 +240,7 @@ def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
         "processes": world,
         "threads": threads,
         "git": git_commit(),
+        "plugins": plugin_versions(),
     }
 
 
@@ -219,16 +267,25 @@ class Provenance:
         self.data["sessions"].append(session(device, world, step, threads))
         self.write()
 
-    def end(self, status: str, step: int) -> None:
-        """Record how the current session ended: finished, diverged, interrupted, failed."""
+    def end(self, status: str, step: int | None) -> None:
+        """Record how the current session ended: finished, diverged, interrupted, failed, or
+        killed (by a second Ctrl-C under ``--nproc-per-node``: the step is then unknown, None)."""
         if self.data["sessions"]:
             self.data["sessions"][-1].update(ended=now(), status=status, to_step=step)
-            self.write()
+            with contextlib.suppress(OSError):
+                self.write()
 
     def write(self) -> None:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(self.data, indent=1) + "\n")
         os.replace(tmp, self.path)
+
+
+def announce_run_dir(run_dir: Path) -> None:
+    """Rank 0 tells the ``--nproc-per-node`` launcher where the run lives (a no-op otherwise)."""
+    target = os.environ.get(RUN_DIR_FILE)
+    if target:
+        Path(target).write_text(str(run_dir))
 
 
 class RunLog:

@@ -22,8 +22,18 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built, auto_on_cpu, build, build_loggers, pick_device, set_threads
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
+from eblvm_core.launch import resume_command
 from eblvm_core.recipe import Recipe, check_unchanged, load_recipe, with_run
-from eblvm_core.rundir import Provenance, RunLock, RunLog, clean_metrics, new_run_dir, write_recipe
+from eblvm_core.rundir import (
+    RECIPE,
+    Provenance,
+    RunLock,
+    RunLog,
+    announce_run_dir,
+    clean_metrics,
+    new_run_dir,
+    write_recipe,
+)
 from eblvm_core.trainer import Trainer
 
 
@@ -44,9 +54,10 @@ def run(
     """
     if resume is not None:
         run_dir = Path(resume)
-        if not ckpt.last_checkpoint(run_dir).exists():
-            raise ConfigError("", None, f"no checkpoint to resume from in {run_dir}", file=str(run_dir))
-        recipe_file = run_dir / "recipe.toml"
+        recipe_file = run_dir / RECIPE
+        if not recipe_file.is_file():
+            what = "no such directory" if not run_dir.exists() else f"not a run directory: it has no {RECIPE}"
+            raise ConfigError("", None, f"cannot resume: {what}", file=str(run_dir))
         recipe = load_recipe(recipe_file, overrides)
         check_unchanged(load_recipe(recipe_file), recipe, "when resuming")
     else:
@@ -60,27 +71,52 @@ def run(
     except ConfigError as exc:
         exc.file = exc.file or recipe.path
         raise
-    with distributed.process_group(torch_device) as torch_device:
-        return _train(recipe, torch_device, out, resume, echo)
+    with stop_on_signals() as signals, distributed.process_group(torch_device) as torch_device:
+        return _train(recipe, torch_device, out, resume, echo, signals)
+
+
+class Signals:
+    """How a session answers SIGINT and SIGTERM once training has started (``watch``): the first
+    asks the trainer to finish its step, write a checkpoint and stop (``Trainer.stop_signal``); a
+    second Ctrl-C aborts training at once (KeyboardInterrupt). Once training has ended, for
+    whatever reason, both are ignored while the session shuts down (process group, logs,
+    provenance), so a late Ctrl-C neither loses a record nor prints a traceback."""
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+        self.training = False
+
+    def watch(self, trainer: Trainer) -> None:
+        self.trainer, self.training = trainer, True
+
+    def done(self) -> None:
+        self.training = False
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if self.trainer is None:  # not training yet: Ctrl-C interrupts the set-up as usual
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
+        if not self.training:
+            return
+        if self.trainer.stop_signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.trainer.stop_signal = signal.Signals(signum).name
 
 
 @contextlib.contextmanager
-def stop_on_signals(trainer: Trainer) -> Iterator[None]:
-    """Within the block SIGINT and SIGTERM ask the trainer to finish its step, write a checkpoint
-    and stop (``Trainer.stop_signal``); a second Ctrl-C aborts at once (KeyboardInterrupt).
-    Outside the main thread, signals are left alone."""
+def stop_on_signals() -> Iterator[Signals]:
+    """The session's SIGINT/SIGTERM policy (``Signals``) within the block, the previous handlers
+    after it. Outside the main thread signals are left alone (the policy then watches nothing)."""
+    policy = Signals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield policy
         return
-
-    def handler(signum: int, _frame: Any) -> None:
-        if trainer.stop_signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        trainer.stop_signal = signal.Signals(signum).name
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, policy) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield policy
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -102,7 +138,12 @@ def _on_rank0(work: Callable[[], Any]) -> Any:
 
 
 def _train(
-    recipe: Recipe, device: torch.device, out: str | Path, resume: str | Path | None, echo: Callable[[str], None]
+    recipe: Recipe,
+    device: torch.device,
+    out: str | Path,
+    resume: str | Path | None,
+    echo: Callable[[str], None],
+    signals: Signals,
 ) -> tuple[Path, dict[str, float]]:
     """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
     seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
@@ -118,8 +159,8 @@ def _train(
         state = None
         if resume is not None:
             run_dir = Path(resume)
-            state = _checked_resume(recipe, run_dir, device, locks)
-            if state is None:
+            state, finished = _checked_resume(recipe, run_dir, device, locks)
+            if finished:
                 echo(
                     f"{run_dir} finished at step {recipe.run.steps}: nothing to do "
                     "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
@@ -143,33 +184,43 @@ def _train(
             del state
         if resume is None:
             run_dir = Path(_on_rank0(lambda: _new_run_dir(out, recipe.run.name, locks)))
+        if rank == 0:
+            announce_run_dir(run_dir)
         trainer.run_dir = run_dir
-        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, build_loggers)
+        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals)
     finally:
         for lock in locks:
             lock.release()
 
 
-def _checked_resume(recipe: Recipe, run_dir: Path, device: torch.device, locks: list[RunLock]) -> dict[str, Any] | None:
-    """Lock the run directory (rank 0, the lock goes into ``locks``), remove stale temporary
-    checkpoints, load last.pt and check it against the recipe; None when the run has finished and
-    nothing is left to do."""
+def _checked_resume(
+    recipe: Recipe, run_dir: Path, device: torch.device, locks: list[RunLock]
+) -> tuple[dict[str, Any] | None, bool]:
+    """(checkpoint, finished) of the run to continue: lock the run directory (rank 0, the lock
+    goes into ``locks``), remove stale temporary checkpoints, load last.pt and check it against
+    the recipe. Without a checkpoint (stopped before the first) the state is None and the run
+    starts again from step 0 in its directory; ``finished`` when nothing is left to do."""
     path = ckpt.last_checkpoint(run_dir)
     loaded: dict[str, Any] = {}
 
-    def check() -> tuple[int, bool]:
+    def check() -> tuple[int | None, bool]:
         locks.append(RunLock(run_dir).acquire())
         ckpt.remove_stale_temporaries(run_dir)
+        if not path.exists():
+            return None, False
         loaded["state"] = ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
         ckpt.check_checkpoint_recipe(loaded["state"], recipe, path)
         return int(loaded["state"]["step"]), Provenance(run_dir).finished
 
     step, finished = _on_rank0(check)
+    if step is None:
+        return None, False
     if step > recipe.run.steps:
         raise ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}", file=recipe.path)
     if step == recipe.run.steps and finished:
-        return None
-    return loaded.get("state") or ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
+        return None, True
+    state = loaded.get("state") or ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
+    return state, False
 
 
 def _new_run_dir(out: str | Path, name: str, locks: list[RunLock]) -> Path:
@@ -189,7 +240,7 @@ def _fit(
     threads: int,
     resume: str | Path | None,
     echo: Callable[[str], None],
-    build_loggers: Callable[[Recipe, Path], list[Any]],
+    signals: Signals,
 ) -> tuple[Path, dict[str, float]]:
     """Write the run directory's recipe, provenance and log (rank 0), train, and record how it ended."""
     rank, world = trainer.rank, trainer.world
@@ -218,24 +269,32 @@ def _fit(
         trainer.echo = log
         for warning in built.parts.warnings:
             log(f"warning: {warning}")
-        if resume is not None:
+        if resume is not None and trainer.last_saved is None:
+            log(f"resuming {run_dir} at step 0: no checkpoint had been written, so it starts again")
+        elif resume is not None:
             log(f"resuming {run_dir} at step {trainer.step}")
         else:
-            processes = f", {world} processes" if world > 1 else ""
-            cpu = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" else ""
-            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{cpu}{processes})")
+            threads_said = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" or world > 1 else ""
+            processes = f" per process, {world} processes" if world > 1 else ""
+            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{threads_said}{processes})")
+        signals.watch(trainer)
         try:
-            with stop_on_signals(trainer):
-                results = trainer.fit()
+            results = trainer.fit()
         except KeyboardInterrupt:
+            since = (
+                f"{trainer.last_saved[1]} holds step {trainer.last_saved[0]}"
+                if trainer.last_saved
+                else "no checkpoint had been written, so it starts again from step 0"
+            )
             raise Interrupted(
-                f"interrupted at step {trainer.step} without a checkpoint; "
-                f"{_kept(trainer)}; resume with: eblvm run --resume {run_dir}"
+                f"interrupted at step {trainer.step}; resume with: {resume_command(run_dir, world)} ({since})"
             ) from None
         except OSError as exc:
             raise FileSystemError(
                 f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}; {_kept(trainer)}"
             ) from None
+        finally:
+            signals.done()
         status = "finished"
         if rank == 0:
             for key, value in results.items():

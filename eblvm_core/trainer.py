@@ -24,6 +24,7 @@ from eblvm_core import distributed
 from eblvm_core.build import Built
 from eblvm_core.errors import ConfigError, Interrupted, TrainingDiverged
 from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal
+from eblvm_core.launch import resume_command
 from eblvm_core.optim import optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe
 from eblvm_core.rundir import append_metrics
@@ -189,7 +190,7 @@ class Trainer(RunState):
         raise Interrupted(
             f"{self.stop_signal or 'a signal on another rank'} at step {self.step}/{self.recipe.run.steps}: "
             f"checkpoint {ckpt.last_checkpoint(self.run_dir)} written; "
-            f"resume with: eblvm run --resume {self.run_dir}"
+            f"resume with: {resume_command(self.run_dir, self.world)}"
         )
 
     def fit(self) -> dict[str, float]:

@@ -26,7 +26,7 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.optim import apply_update
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import BISM, SMALL_RECIPE
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180  # seconds for any one launch; a few on a free machine
@@ -217,7 +217,6 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
         == layout(one_dir)
         == sorted(
             [
-                ".lock",
                 "checkpoints/last.pt",
                 "metrics.jsonl",
                 "recipe.toml",
@@ -285,3 +284,120 @@ def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
     assert wait(launch([recipe, "--out", tmp_path / "runs"], logs), logs) == [3, 3], read_logs(logs)
     assert "step 4: training loss became non-finite" in logs.with_name("nan.rank0").read_text()
     assert ckpt.load(only_run_dir(tmp_path / "runs") / "checkpoints" / "last.pt")["step"] == 2
+
+
+# ---- Ctrl-C under `eblvm run --nproc-per-node 2` ---------------------------------------------------
+
+
+def start_launch(args: list, out: Path) -> subprocess.Popen:
+    """`eblvm run --nproc-per-node 2 ARGS` in a session of its own, as a terminal runs a foreground
+    command: a Ctrl-C is a SIGINT to that process group (the parent alone: its ranks have their own)."""
+    command = [sys.executable, "-m", "eblvm", "run", *map(str, args), "--nproc-per-node", "2"]
+    log = open(out, "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=log, stderr=log, start_new_session=True)
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def wait_for_step(run_root: Path, step: int, proc: subprocess.Popen) -> Path:
+    """The run directory once metrics.jsonl holds a training row at ``step`` or later."""
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline and proc.poll() is None:
+        for path in run_root.glob("*/*/metrics.jsonl"):
+            if any(r.get("step", 0) >= step and "train/loss" in r for r in records(path.parent)):
+                return path.parent
+        time.sleep(0.05)
+    raise AssertionError(f"no training row at step {step}: exit {proc.poll()}")
+
+
+def networks(run_dir: Path) -> dict:
+    state = ckpt.load(run_dir / "checkpoints" / "last.pt")
+    return {"step": state["step"], "networks": state["networks"], "ranks": state["ranks"]}
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for name, tensors in a["networks"].items():
+        for key, value in tensors.items():
+            assert torch.equal(value, b["networks"][name][key]), f"{name}.{key}"
+    for rank_a, rank_b in zip(a["ranks"], b["ranks"], strict=True):
+        assert torch.equal(rank_a["rng"]["torch"], rank_b["rng"]["torch"])
+
+
+@pytest.fixture(scope="module")
+def interrupt_runs(tmp_path_factory):
+    """A BiSM recipe trained by two processes without interruption, for the Ctrl-C tests to end
+    level with (started once, in the background, while the first test interrupts its own run)."""
+    tmp = tmp_path_factory.mktemp("ctrl_c")
+    recipe = tomllib.loads(BISM)
+    recipe = write_recipe(
+        tmp / "bism.toml",
+        recipe,
+        {"steps": 600, "log_every": 50, "checkpoint_every": 600, "eval_every": 0},
+        data={"kind": "checkerboard", "n_train": 2000, "n_test": 200},
+    )
+    full = start_launch([recipe, "--out", tmp / "full"], tmp / "full.log")
+    return {"recipe": recipe, "tmp": tmp, "full": full}
+
+
+def finished_full(interrupt_runs) -> dict:
+    proc = interrupt_runs["full"]
+    assert proc.wait(timeout=TIMEOUT) == 0, (interrupt_runs["tmp"] / "full.log").read_text()
+    return networks(only_run_dir(interrupt_runs["tmp"] / "full"))
+
+
+def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(interrupt_runs, tmp_path):
+    """One SIGINT to the launcher's process group: both ranks finish their step, agree at the next
+    logging step, write a checkpoint and stop; one line, exit 130, no traceback, no torch warning
+    or banner. The resumed run ends where the uninterrupted one does, to the bit; run.json records
+    the command as typed and every plugin with its version."""
+    proc = start_launch([interrupt_runs["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
+    run_dir = wait_for_step(tmp_path / "runs", 100, proc)
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130, (tmp_path / "out.log").read_text()
+    output = (tmp_path / "out.log").read_text()
+    stopped = [line for line in output.splitlines() if "SIGINT at step" in line]
+    assert len(stopped) == 1, output
+    assert f"resume with: eblvm run --resume {run_dir} --nproc-per-node 2" in stopped[0]
+    for noise in ("Traceback", "Warning", "OMP_NUM_THREADS", "SignalException"):
+        assert noise not in output, output
+    at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
+    assert 100 < at < 600 and at % 50 == 0
+
+    session = json.loads((run_dir / "run.json").read_text())["sessions"][0]
+    assert session["status"] == "interrupted" and session["to_step"] == at
+    assert session["command"].endswith("--nproc-per-node 2") and session["processes"] == 2
+    assert session["plugins"]["bism"]["distribution"] == "eblvm" and session["plugins"]["bism"]["version"]
+    extra = session["plugins"]["tests.fixed_noise"]  # loaded by module, installed by no distribution
+    assert extra["distribution"] is None and extra["file"].endswith("fixed_noise.py")
+    assert not (run_dir / ".lock").exists()
+
+    resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
+    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
+    assert f"resuming {run_dir} at step {at}" in (tmp_path / "resumed.log").read_text()
+    assert_same_run(networks(run_dir), finished_full(interrupt_runs))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(interrupt_runs, tmp_path):
+    """Two SIGINTs: the launcher stops both ranks at once (before the next logging step, so
+    before any checkpoint) and names the command that resumes; that command, run as printed,
+    starts again from step 0 (or the checkpoint, had one been written) and ends level with the
+    uninterrupted run."""
+    proc = start_launch([interrupt_runs["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
+    run_dir = wait_for_step(tmp_path / "runs", 100, proc)
+    ctrl_c(proc)
+    time.sleep(0.05)
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130
+    output = (tmp_path / "out.log").read_text()
+    assert "Traceback" not in output, output
+    (line,) = [line for line in output.splitlines() if line.startswith("error:")]
+    advice = line.split("resume with: ")[1].split(" (")[0]
+    assert advice == f"eblvm run --resume {run_dir} --nproc-per-node 2", line
+    assert json.loads((run_dir / "run.json").read_text())["sessions"][0]["status"] in ("killed", "interrupted")
+
+    resumed = start_launch(advice.split()[2:-2], tmp_path / "resumed.log")
+    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
+    assert_same_run(networks(run_dir), finished_full(interrupt_runs))

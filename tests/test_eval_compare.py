@@ -461,6 +461,20 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     assert trained == ["CD"] and again["CD"]["final"][loglik] == runs["CD"]["final"][loglik]
     assert len(list((out / "runs" / "CD-seed0").iterdir())) == 1
 
+    # --only trains the methods it names and keeps the others' rows: from their records, or, a
+    # record lost, from their finished run directories, tabulated without training
+    for lost in (False, True):
+        if lost:
+            (out / "done" / "CD-seed0.json").unlink()
+        trained.clear()
+        comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None, only=["DSM"])
+        assert trained == (["CD"] if lost else [])  # DSM's record stands, so it is not trained either
+        table = (out / "table.md").read_text()
+        row = next(line for line in table.splitlines() if line.startswith("| CD |"))
+        assert "not run" not in table and f"{runs['CD']['final'][loglik]:.4g}" in row, table
+    (cd_dir,) = (out / "runs" / "CD-seed0").iterdir()
+    assert len(json.loads((cd_dir / "run.json").read_text())["sessions"]) == 1  # never trained again
+
 
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:

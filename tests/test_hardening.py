@@ -174,7 +174,8 @@ def test_a_second_process_on_a_run_directory_is_refused(cli, run_copy):
     )
     try:
         deadline = time.time() + 60
-        while f"pid {holder.pid}" not in (run_copy / ".lock").read_text() and time.time() < deadline:
+        lock = run_copy / ".lock"  # made by the holder: a finished run leaves none
+        while not (lock.exists() and f"pid {holder.pid}" in lock.read_text()) and time.time() < deadline:
             time.sleep(0.05)
         before = snapshot(run_copy)
         line = one_line(cli(["run", "--resume", run_copy, "-o", "run.steps=40"]))
@@ -185,12 +186,38 @@ def test_a_second_process_on_a_run_directory_is_refused(cli, run_copy):
     assert cli(["run", "--resume", run_copy, "-o", "run.steps=40"]).exit_code == 0
 
 
-def test_the_lock_is_exclusive_and_released(tmp_path):
+def test_the_lock_is_exclusive_and_released_without_a_trace(tmp_path):
     first = RunLock(tmp_path).acquire()
     with pytest.raises(Exception, match="in use by pid"):
         RunLock(tmp_path).acquire()
     first.release()
+    assert not (tmp_path / ".lock").exists()
     RunLock(tmp_path).acquire().release()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_won_on_a_just_deleted_file_is_taken_again_on_the_file_at_the_path(tmp_path, monkeypatch):
+    """B opens the lock file, A releases (deleting it), B's flock then succeeds on the deleted file,
+    which a third process cannot see: B must notice and lock the file at the path instead."""
+    import eblvm_core.rundir as rundir
+
+    first = RunLock(tmp_path).acquire()
+    early = open(tmp_path / ".lock", "a+")  # noqa: SIM115 - handed to acquire below
+    first.release()
+    handles = [early]
+    monkeypatch.setattr(rundir, "open", lambda *a, **k: handles.pop() if handles else open(*a, **k), raising=False)
+    second = RunLock(tmp_path).acquire()
+    assert not handles and early.closed, "the early handle was not tried, or was kept"
+    assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
+    with pytest.raises(Exception, match="in use by pid"):
+        RunLock(tmp_path).acquire()
+    second.release()
+
+
+def test_a_finished_run_leaves_no_lock(cli, write_recipe, tmp_path):
+    assert cli(["run", write_recipe(), "--out", tmp_path / "runs"]).exit_code == 0
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert (run_dir / "checkpoints" / "last.pt").exists() and not (run_dir / ".lock").exists()
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_no_temporary_after_the_next_start(cli, run_copy):
@@ -381,6 +408,37 @@ def test_a_non_finite_parameter_stops_the_run_with_a_finite_loss(cli, write_reci
     assert f"last good checkpoint: {ckpt.last_checkpoint(run_dir)} (step 20)" in line, line
     state = ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))
     assert state["step"] == 20 and all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
+
+
+def test_a_second_ctrl_c_before_the_first_checkpoint_gives_advice_that_works(cli, write_recipe, tmp_path, monkeypatch):
+    """A second Ctrl-C aborts training inside a step (KeyboardInterrupt) before any checkpoint was
+    written; the command the message gives starts the run again from step 0 in its directory and
+    ends bit-identical to an uninterrupted run, with one training row per logged step."""
+
+    def second_ctrl_c(built) -> None:
+        raise KeyboardInterrupt
+
+    poison_at(monkeypatch, 15, second_ctrl_c)
+    options = ["-o", "run.checkpoint_every=30"]
+    line = one_line(cli(["run", write_recipe(), "--out", tmp_path / "runs", *options]), code=130)
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert line.startswith("error: interrupted at step 14; resume with: "), line
+    assert "no checkpoint had been written, so it starts again from step 0" in line, line
+    assert not (run_dir / "checkpoints" / "last.pt").exists() and not (run_dir / ".lock").exists()
+    advice = line.split("resume with: ")[1].split(" (")[0]
+    assert advice == f"eblvm run --resume {run_dir}"
+
+    monkeypatch.undo()
+    result = cli(advice.split()[1:])
+    assert result.exit_code == 0, result.output
+    assert f"resuming {run_dir} at step 0" in result.output
+    assert cli(["run", write_recipe(), "--out", tmp_path / "full", *options]).exit_code == 0
+    a, b = (ckpt.load(ckpt.last_checkpoint(d))["networks"]["model"] for d in (only_run_dir(tmp_path / "full"), run_dir))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [10, 20, 30]
+    sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
+    assert [(s["status"], s["from_step"]) for s in sessions] == [("interrupted", 0), ("finished", 0)]
 
 
 def test_after_a_resume_the_message_names_the_checkpoint_resumed_from(cli, run_copy, monkeypatch):

@@ -155,9 +155,14 @@ def test_nan_loss_stops_cleanly_and_keeps_last_good_checkpoint(cli, write_recipe
     assert all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
 
 
-def test_resume_needs_a_checkpoint(cli, tmp_path):
+def test_resume_needs_a_run_directory(cli, tmp_path):
     result = cli(["run", "--resume", tmp_path])
-    assert result.exit_code == 2 and "no checkpoint to resume from" in result.output
+    assert (
+        result.exit_code == 2
+        and f"{tmp_path}: cannot resume: not a run directory: it has no recipe.toml" in result.output
+    )
+    result = cli(["run", "--resume", tmp_path / "gone"])
+    assert result.exit_code == 2 and f"{tmp_path / 'gone'}: cannot resume: no such directory" in result.output
 
 
 def test_atomic_save_leaves_old_file_on_failure(tmp_path):

@@ -1,0 +1,150 @@
+"""``eblvm run --nproc-per-node N``: N training processes on this machine, started and watched by
+the ``eblvm`` process itself (torchrun's environment without its agent).
+
+The parent holds the rendezvous store (a TCP store on a free port, so two launches never race
+for a port), starts ``python -m eblvm run ...`` once per rank in a process group of their own,
+and forwards SIGINT and SIGTERM to them: a terminal's Ctrl-C reaches each rank exactly once,
+through the parent, and the ranks agree to write a checkpoint and stop (exit 130). A second
+Ctrl-C stops every rank at once and says how to resume. The parent prints nothing else and
+exits with the ranks' exit code. torchrun itself (several machines) still works: the ranks then
+read its environment the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from eblvm_core.rundir import COMMAND, LOCK, RUN_DIR_FILE, Provenance
+
+GRACE_SECONDS = 10.0  # once one rank has failed, how long the others may take to stop on their own
+
+
+def worker_environment(rank: int, world: int, port: int, threads: int, run_dir_file: str) -> dict[str, str]:
+    """The environment of rank ``rank``: what torchrun sets for one machine, the store served by
+    the parent (``TORCHELASTIC_USE_AGENT_STORE``), the CPU threads per process unless
+    OMP_NUM_THREADS is set, and the command line as typed."""
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        ROLE_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        ROLE_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env[COMMAND] = shlex.join(sys.argv)
+    env[RUN_DIR_FILE] = run_dir_file
+    return env
+
+
+def threads_per_process(world: int) -> int:
+    """The machine's cores shared among ``world`` processes (at least one each)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def resume_command(run_dir: Path, world: int) -> str:
+    """The command that continues the run in ``run_dir`` as it was launched: with
+    ``--nproc-per-node`` when eblvm started its ``world`` processes (under torchrun: launch the
+    same command again with torchrun)."""
+    command = f"eblvm run --resume {run_dir}"
+    if world == 1:
+        return command
+    if RUN_DIR_FILE in os.environ:
+        return f"{command} --nproc-per-node {world}"
+    return f"torchrun --nproc-per-node {world} -m eblvm run --resume {run_dir}"
+
+
+def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> int:
+    """Train with ``world`` processes of ``python -m eblvm run RUN_ARGS``; returns the exit code
+    to leave with (the ranks' code; 130 after a second Ctrl-C)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="eblvm-launch-") as tmp:
+        run_dir_file = str(Path(tmp) / "run_dir")
+        threads = threads_per_process(world)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "eblvm", "run", *run_args],
+                env=worker_environment(rank, world, store.port, threads, run_dir_file),
+                process_group=0,
+            )
+            for rank in range(world)
+        ]
+        signals: list[int] = []
+
+        def forward(signum: int, _frame: Any) -> None:
+            signals.append(signum)
+            if signum == signal.SIGINT and signals.count(signal.SIGINT) > 1:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                return
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = wait_all(procs)
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutting down: a further Ctrl-C changes nothing
+        del store
+        if signals.count(signal.SIGINT) > 1:
+            where = resume or _read(run_dir_file)
+            if where:  # the ranks could not tidy up themselves
+                Provenance(where).end("killed", None)
+                (Path(where) / LOCK).unlink(missing_ok=True)
+            advice = (
+                f"resume with: eblvm run --resume {where} --nproc-per-node {world} "
+                "(from its last checkpoint, or from step 0 if none had been written)"
+                if where
+                else "no run directory was made yet: run the same command again"
+            )
+            print(f"error: stopped at once by a second Ctrl-C; {advice}", file=sys.stderr)
+            return 130
+        return code
+
+
+def wait_all(procs: list[subprocess.Popen]) -> int:
+    """Wait for every process; returns the exit code of the first that failed (a process killed
+    by signal S counts as 128 + S), or 0. When one fails while others still run (a rank that died
+    without reaching a collective), the others get GRACE_SECONDS to stop on their own and are then
+    killed, so the launch never hangs on a lost peer."""
+    first_failure: int | None = None
+    failed_at = 0.0
+    while True:
+        codes = [p.poll() for p in procs]
+        for code in codes:
+            if code and first_failure is None:
+                first_failure, failed_at = (128 - code if code < 0 else code), time.monotonic()
+        if all(code is not None for code in codes):
+            return first_failure or 0
+        if first_failure is not None and time.monotonic() - failed_at > GRACE_SECONDS:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError:
+        return None
