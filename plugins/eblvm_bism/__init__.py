@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
+from eblvm_core import distributed
 from eblvm_core.bilevel import (
     DifferentiableAdam,
     Functional,
@@ -132,11 +133,13 @@ class BiSMUnrolled(BiSM):
         """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ (0-d)."""
         params, lower_at_start = self.phi, None
         update = self._update_rule()
+        ranks = distributed.active()  # asked once per step, not once per unrolled step
         for n in range(self.unroll_steps):
             lower = self.functional.call(params, self.lower, x) if n else self.lower(x)
             if n == 0:
                 lower_at_start = lower.detach()
-            params = update(params, mean_over_ranks(grads_or_zeros(lower, list(params.values()), create_graph=True)))
+            grads = grads_or_zeros(lower, list(params.values()), create_graph=True)
+            params = update(params, mean_over_ranks(grads) if ranks else grads)
         return params, lower_at_start
 
     def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, Tensor]]:

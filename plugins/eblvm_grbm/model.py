@@ -67,13 +67,22 @@ class GRBM(EnergyModel):
     def sigma(self) -> Tensor:
         return self.log_sigma.exp()
 
+    # The hot methods below read the parameters from ``_parameters`` (a dict look-up) rather than as
+    # attributes (nn.Module.__getattr__, a Python call each) and skip flatten(1) when v is (B, d)
+    # already (where it returns v itself): an unrolled BiSM step evaluates the energy a dozen times
+    # on a tiny model, where such calls cost more than the arithmetic. Image-shaped v is still
+    # flattened in each method, so its gradient is accumulated as before, to the bit.
+
     def coupling_weight(self) -> Tensor:
         """U (d, m): W/σ when scaled, W when plain."""
-        return self.W * torch.exp(-self.log_sigma) if self.coupling == "scaled" else self.W
+        p = self._parameters
+        return p["W"] * torch.exp(-p["log_sigma"]) if self.coupling == "scaled" else p["W"]
 
     def visible_quadratic(self, v: Tensor) -> Tensor:
         """‖v − b‖²/(2σ²): v (B, ...) -> (B,)."""
-        return 0.5 * ((v.flatten(1) - self.b) ** 2).sum(-1) * torch.exp(-2 * self.log_sigma)
+        p = self._parameters
+        v = v if v.dim() == 2 else v.flatten(1)
+        return 0.5 * ((v - p["b"]) ** 2).sum(-1) * torch.exp(-2 * p["log_sigma"])
 
     def energy(self, v: Tensor, h: Tensor) -> Tensor:
         """v (B, ...), h (B, m) -> (B,)."""
@@ -81,7 +90,8 @@ class GRBM(EnergyModel):
 
     def hidden_logits(self, v: Tensor) -> Tensor:
         """Logits c + Uᵀv of p(h_j = 1 | v): v (B, ...) -> (B, m)."""
-        return self.c + v.flatten(1) @ self.coupling_weight()
+        v = v if v.dim() == 2 else v.flatten(1)
+        return self._parameters["c"] + v @ self.coupling_weight()
 
     def free_energy(self, v: Tensor) -> Tensor:
         """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, ...) -> (B,)."""

@@ -10,6 +10,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module_hooks
 
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import Parts, Posterior
@@ -67,6 +68,27 @@ def latent_dim(parts: Parts, kind: str, given: int | None = None) -> int:
     return latent.dim
 
 
+def _hooked(net: nn.Module, layer: nn.Module) -> bool:
+    """Whether calling ``net`` (which calls ``layer``) would run more than their forward: a hook,
+    theirs or a global one, or a compiled forward."""
+    return bool(
+        net._compiled_call_impl is not None
+        or layer._compiled_call_impl is not None
+        or _module_hooks._global_forward_hooks
+        or _module_hooks._global_forward_pre_hooks
+        or _module_hooks._global_backward_hooks
+        or _module_hooks._global_backward_pre_hooks
+        or net._forward_hooks
+        or net._forward_pre_hooks
+        or net._backward_hooks
+        or net._backward_pre_hooks
+        or layer._forward_hooks
+        or layer._forward_pre_hooks
+        or layer._backward_hooks
+        or layer._backward_pre_hooks
+    )
+
+
 # ---- Bernoulli -----------------------------------------------------------------------------
 
 
@@ -105,10 +127,17 @@ class BernoulliPosterior(Posterior):
         super().__init__()
         self.net = mlp(n_visible, hidden, n_latent, activation)
         self.temperature = temperature
+        # linear logits (hidden = []) are one F.linear: the two module calls around it cost more
+        # than the product on a small model; (net, layer) kept out of the module tree
+        self.__dict__["_linear"] = (self.net, self.net[0]) if len(self.net) == 1 else None
 
     def logits(self, v: Tensor) -> Tensor:
         """v (B, ...) -> logits (B, m)."""
-        return self.net(v.flatten(1))
+        net, linear = self._modules["net"], self._linear
+        if linear is None or linear[0] is not net or type(linear[1]) is not nn.Linear or _hooked(net, linear[1]):
+            return net(v.flatten(1))
+        params = linear[1]._parameters  # what Linear.forward reads (and Functional swaps)
+        return F.linear(v if v.dim() == 2 else v.flatten(1), params["weight"], params["bias"])
 
     def _sample(self, logits: Tensor, n: int) -> Tensor:
         u = torch.rand((n, *logits.shape), dtype=logits.dtype, device=logits.device)

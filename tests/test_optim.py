@@ -1,0 +1,124 @@
+"""apply_update's shortcuts against torch's own code: the direct fused-Adam kernel call steps
+exactly as ``Adam.step`` does, and stands aside whenever ``step`` would do something else; the
+gradient norm and its running statistics equal torch's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eblvm_core.optim import apply_update, fused_adam_step_on_cpu, take_mean_grad_norm, total_norm
+
+
+def twin_params(seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """Two identical sets of parameters (a matrix, a vector, one that gets no gradient)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(4, 3, generator=gen), torch.randn(5, generator=gen), torch.randn(2, generator=gen)]
+    return [torch.nn.Parameter(v.clone()) for v in values], [torch.nn.Parameter(v.clone()) for v in values]
+
+
+def loss_of(params: list[torch.nn.Parameter], t: int) -> torch.Tensor:
+    a, b, _unused = params
+    return (a.sin() * (t + 1)).sum() + (b**3).sum()
+
+
+OPTIONS = [
+    {},
+    {"weight_decay": 0.1},
+    {"maximize": True},
+    {"betas": (0.0, 0.9), "eps": 1e-6, "lr": 3e-3},
+]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "weight_decay", "maximize", "betas"])
+def test_the_direct_kernel_steps_bit_for_bit_as_adam_step(options):
+    ours, theirs = twin_params()
+    groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:], "lr": 2e-2}]  # noqa: E731 - two groups
+    opt_ours = torch.optim.Adam(groups(ours), fused=True, **{"lr": 1e-2, **options})
+    opt_theirs = torch.optim.Adam(groups(theirs), fused=True, **{"lr": 1e-2, **options})
+    taken = []
+    for t in range(5):
+        for params, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad(set_to_none=True)
+            loss_of(params, t).backward()
+        taken.append(fused_adam_step_on_cpu(opt_ours))
+        if not taken[-1]:
+            opt_ours.step()  # the first step creates the state, through torch
+        opt_theirs.step()
+    assert taken == [False, True, True, True, True]
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+    for a, b in zip(ours[:2], theirs[:2]):
+        sa, sb = opt_ours.state[a], opt_theirs.state[b]
+        assert all(torch.equal(sa[k], sb[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def stepped_once(opt: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    opt.zero_grad(set_to_none=True)
+    loss_of(params, 0).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss_of(params, 1).backward()
+
+
+def refused(make) -> bool:
+    """Whether the shortcut stands aside (and leaves every tensor as it was) for ``make(params)``."""
+    params, _ = twin_params()
+    opt = make(params)
+    stepped_once(opt, params)
+    before = [p.detach().clone() for p in params] + [
+        t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    done = fused_adam_step_on_cpu(opt)
+    after = [p.detach() for p in params] + [
+        t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+    ]
+    return not done and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_the_direct_kernel_stands_aside_where_adam_step_would_do_more():
+    assert not refused(lambda ps: torch.optim.Adam(ps, fused=True))  # the control: taken
+    assert refused(lambda ps: torch.optim.Adam(ps))  # not fused
+    assert refused(lambda ps: torch.optim.Adam(ps, fused=True, amsgrad=True))
+    assert refused(lambda ps: torch.optim.AdamW(ps, fused=True))  # not exactly Adam
+    assert refused(lambda ps: torch.optim.Adam(ps, fused=True, lr=torch.tensor(1e-2)))  # a tensor rate
+
+    def hooked(ps):
+        opt = torch.optim.Adam(ps, fused=True)
+        opt.register_step_post_hook(lambda *_: None)
+        return opt
+
+    assert refused(hooked)
+
+    def scheduled(ps):  # an LR scheduler wraps the instance's step
+        opt = torch.optim.Adam(ps, fused=True)
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        return opt
+
+    assert refused(scheduled)
+
+
+def test_apply_update_takes_the_same_steps_as_zero_grad_backward_step():
+    ours, theirs = twin_params(1)
+    opt_ours, opt_theirs = torch.optim.Adam(ours, fused=True), torch.optim.Adam(theirs, fused=True)
+    for t in range(4):
+        norm = apply_update(opt_ours, loss_of(ours, t))
+        opt_theirs.zero_grad(set_to_none=True)
+        loss_of(theirs, t).backward()
+        for p in theirs:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        expected = torch.nn.utils.get_total_norm([p.grad for p in theirs])
+        opt_theirs.step()
+        assert torch.equal(norm, expected)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_total_norm_and_the_logged_mean_equal_torchs():
+    grads = [torch.randn(3, 4), torch.randn(7), torch.zeros(2)]
+    assert torch.equal(total_norm(grads), torch.nn.utils.get_total_norm(grads))
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    norms = [float(apply_update(opt, (p * k).sum())) for k in (1.0, 2.0, 4.0)]
+    assert take_mean_grad_norm(opt) == pytest.approx(sum(norms) / 3, rel=1e-6)
+    assert take_mean_grad_norm(opt) is None  # reset after reading
