@@ -4,6 +4,7 @@ happens here, so ``eblvm validate`` (a dry build) rejects what ``eblvm run`` wou
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -240,6 +241,24 @@ def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry
     return Built(parts, evaluators, [], schedules)
 
 
+def check_loggers(recipe: Recipe) -> None:
+    """Refuse, before any work, a [[log]] whose logger needs a package that is not installed: its
+    factory names the module in ``requires`` (and may say how to install it in ``install``),
+    looked up without importing it. Called by ``validate`` and ``run``, not by ``eval``/``sample``,
+    which build no loggers."""
+    for section in recipe.logs:
+        factory = section.entry.factory
+        requires = getattr(factory, "requires", None)
+        if requires and importlib.util.find_spec(requires) is None:
+            install = getattr(factory, "install", f"pip install {requires}")
+            raise ConfigError(
+                section.label,
+                "kind",
+                f"the {section.kind} logger needs the {requires} package: {install}",
+                file=recipe.path,
+            )
+
+
 def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:
     """The recipe's [[log]] sinks, writing into ``run_dir`` (made once the run directory exists)."""
     try:
@@ -261,6 +280,7 @@ def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = Fals
         recipes = [load_recipe(path, overrides)]
     warnings: list[str] = []
     for recipe in recipes:
+        check_loggers(recipe)
         with torch.random.fork_rng(devices=[]):
             ckpt.seed_everything(recipe.run.seed or 0)
             built = build(recipe, torch.device("cpu"), dry_run=not check_data)

@@ -190,6 +190,21 @@ def best_checkpoint(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints" / "best.pt"
 
 
+KEPT = re.compile(r"step-(\d+)\.pt")
+
+
+def kept_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint kept at ``step`` by [run] keep_every is (``checkpoints/step-<step>.pt``)."""
+    return Path(run_dir) / "checkpoints" / f"step-{step}.pt"
+
+
+def kept_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the checkpoints kept in ``run_dir`` by [run] keep_every, in order."""
+    folder = Path(run_dir) / "checkpoints"
+    found = (KEPT.fullmatch(path.name) for path in folder.glob("step-*.pt")) if folder.is_dir() else ()
+    return sorted(int(match.group(1)) for match in found if match)
+
+
 def check_checkpoint_recipe(state: dict[str, Any], recipe: Recipe, path: str | Path) -> None:
     """Refuse a checkpoint written by another recipe (one that trains something else), naming the first difference."""
     if "recipe" not in state:  # format 2

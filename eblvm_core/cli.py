@@ -53,7 +53,9 @@ def run(
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     out: Path = typer.Option(Path("runs"), help="folder that holds run directories"),
-    resume: Path | None = typer.Option(None, help="continue the run in this run directory"),
+    resume: Path | None = typer.Option(
+        None, help="continue the run in this run directory (a run's name folder, runs/<name>: its latest run)"
+    ),
     nproc_per_node: int | None = typer.Option(
         None,
         "--nproc-per-node",
@@ -70,6 +72,8 @@ def run(
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
     if nproc_per_node is not None:
+        if resume is not None:  # the processes, and the launcher's own records, name the run itself
+            resume = _run_dir(resume, "cannot resume")
         raise typer.Exit(_launch(nproc_per_node, recipe, override, device, out, resume))
 
     def go() -> None:
@@ -83,6 +87,20 @@ def run(
         typer.echo(f"done: {run_dir}")
 
     guarded(go)
+
+
+def _run_dir(path: Path, doing: str = "") -> Path:
+    """The run directory a user's path names (a run's name folder gives its latest run, said on
+    stderr); a missing path or a folder that is not a run fails with its own line (exit 2)."""
+    from eblvm_core.rundir import find_run_dir
+
+    try:
+        run_dir, note = find_run_dir(path, doing)
+    except EblvmError as exc:
+        fail(str(exc))
+    if note is not None:
+        typer.echo(note, err=True)
+    return run_dir
 
 
 def _launch(
@@ -166,8 +184,13 @@ def _check_device(device: str | None) -> None:
 
 @app.command("eval")
 def eval_run(
-    run_dir: Path = typer.Argument(..., help="a run directory (holds recipe.toml and checkpoints/)"),
-    checkpoint: str = typer.Option("last", help="last, best (needs [run] select_metric) or a checkpoint path"),
+    run_dir: Path = typer.Argument(
+        ..., help="a run directory (holds recipe.toml and checkpoints/), or a run's name folder: its latest run"
+    ),
+    checkpoint: str = typer.Option(
+        "last",
+        help="last, best (needs [run] select_metric), step:N (kept by [run] keep_every) or a checkpoint path",
+    ),
     evaluator: list[str] = typer.Option(
         [],
         "--evaluator",
@@ -184,9 +207,11 @@ def eval_run(
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of every RNG before evaluating"),
 ) -> None:
-    """Re-run evaluators on a saved checkpoint; print and append the results to the run's metrics.jsonl.
+    """Re-run evaluators on a saved checkpoint; print the results, append them to the run's
+    metrics.jsonl and log them to its [[log]] loggers (TensorBoard) at the checkpoint's step.
 
-    `eblvm eval RUN -e ais-loglik -o eval.0.n_chains=500` runs AIS alone with 500 chains.
+    `eblvm eval RUN -e ais-loglik -o eval.0.n_chains=500` runs AIS alone with 500 chains;
+    `--checkpoint step:5000` evaluates the checkpoint kept at step 5000 ([run] keep_every).
     """
     _check_device(device)
 
@@ -194,13 +219,15 @@ def eval_run(
         from eblvm_core.evaluate import evaluator_tables, load_run, record, run_evaluators
 
         tables = evaluator_tables(evaluator) if evaluator else None
-        run = load_run(run_dir, checkpoint, device, override, seed, evals=tables)
-        result = run_evaluators(run, echo=lambda line: typer.echo(line, err=True))
+        err = lambda line: typer.echo(line, err=True)  # noqa: E731
+        run = load_run(run_dir, checkpoint, device, override, seed, evals=tables, echo=err)
+        result = run_evaluators(run, echo=err)
         for key, value in result.scalars.items():
             typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
         for path in record(run, result):
             typer.echo(f"image: {path}")
-        typer.echo(f"step {run.step} ({checkpoint}); appended to {run.run_dir / 'metrics.jsonl'}")
+        logged = f" and its [[log]] ({', '.join(s.kind for s in run.recipe.logs)})" if run.recipe.logs else ""
+        typer.echo(f"step {run.step} ({run.checkpoint}); appended to {run.run_dir / 'metrics.jsonl'}{logged}")
 
     guarded(go)
 
@@ -222,9 +249,16 @@ def sample(
     ),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
     seed: int = typer.Option(0, help="seed of the sampler"),
+    scale: int | None = typer.Option(
+        None,
+        min=1,
+        help="image grids: every pixel drawn as SCALE × SCALE pixels (nearest neighbour); default: the smallest "
+        "whole factor that makes each image at least 64 pixels on its shorter side (2-D scatters ignore it)",
+    ),
 ) -> None:
     """Draw samples from a trained model with the recipe's sampler settings; save them as an image
-    (a scatter for 2-D data) and as raw values (n, *event_shape) beside it (.pt or .npy)."""
+    (a scatter for 2-D data, else a grid upscaled to a readable size, see --scale) and as raw values
+    (n, *event_shape) beside it (.pt or .npy)."""
     _check_device(device)
     if raw not in ("pt", "npy"):
         fail(f"--raw must be pt or npy, got '{raw}'")
@@ -234,10 +268,12 @@ def sample(
     def go() -> None:
         from torchvision.utils import save_image
 
-        from eblvm_core.evaluate import load_run, sample_run, save_samples
+        from eblvm_core.evaluate import load_run, sample_run, samples_image, save_samples
 
         run = load_run(run_dir, checkpoint, device, override, seed)
         samples, image, source = sample_run(run, n, sampler)
+        if scale is not None:
+            image = samples_image(samples, run.parts.data, scale)
         path = out or run.run_dir / "samples.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_image(image, path)
@@ -249,19 +285,25 @@ def sample(
 
 @app.command()
 def compare(
-    spec: Path = typer.Argument(..., help="comparison spec (TOML with [compare] and [[method]] sections)"),
-    seeds: int | None = typer.Option(None, min=1, help="seeds per method (default: the spec's)"),
+    spec: Path = typer.Argument(
+        ..., help="comparison spec (TOML with [compare] and [[method]] sections, optionally a [sweep] grid)"
+    ),
+    seeds: int | None = typer.Option(None, min=1, help="seeds per method or grid point (default: the spec's)"),
     jobs: int = typer.Option(1, min=1, help="runs in parallel processes"),
     steps: int | None = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
     out: Path | None = typer.Option(None, help="results folder (default results/<name>)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
     only: list[str] = typer.Option(
-        [], "--only", help="train only this method (repeatable); the table still shows every method run so far"
+        [],
+        "--only",
+        help="train only this method (all its grid points) or this grid point, named as its table row "
+        "(repeatable); the table still shows every row run so far",
     ),
 ) -> None:
-    """Run a set of recipes over seeds; write a Markdown table, a figure and results.json.
-    Running it again resumes: finished runs are not rerun, killed ones continue."""
+    """Run a set of recipes over seeds (and over a [sweep] grid of recipe values); write a Markdown
+    table, a figure and results.json. Running it again resumes: finished runs are not rerun,
+    killed ones continue."""
     _check_device(device)
 
     def go() -> None:

@@ -1,7 +1,8 @@
 """``eblvm compare SPEC.toml``: run several recipes over several seeds (optionally in parallel
 processes) and summarise them in a results folder:
 
-- ``table.md``: mean ± std over seeds of each chosen metric per method (and the wall time);
+- ``table.md``: mean ± std over seeds of each chosen metric per method (and the wall time), or
+  per grid point of each method when the spec has a [sweep];
 - ``figure.png``: one image per method side by side (an evaluator's figure, e.g. the density
   plot, or model samples) above the learning curves of one metric from metrics.jsonl;
 - ``results.json``: every run's directory, seed, time and tabulated metrics;
@@ -37,30 +38,15 @@ from torch import Tensor
 
 from eblvm_core.errors import ConfigError
 from eblvm_core.rundir import Provenance
-from eblvm_core.spec import Spec, load_spec, slug
-
-PALETTE = (
-    (31, 119, 180),
-    (255, 127, 14),
-    (44, 160, 44),
-    (214, 39, 40),
-    (148, 103, 189),
-    (140, 86, 75),
-    (227, 119, 194),
-    (127, 127, 127),
-    (188, 189, 34),
-    (23, 190, 207),
-    (0, 0, 0),
-    (0, 0, 128),
-)
-
+from eblvm_core.spec import Spec, load_spec, select, slug
 
 # ---- running --------------------------------------------------------------------------------
 
 
 def run_one(task: dict[str, Any]) -> dict[str, Any]:
-    """Train one (method, seed) and gather what the summary needs; runs in a worker process
-    when --jobs > 1. Returns {method, seed, run_dir, seconds, final, image}."""
+    """Train one (row, seed) and gather what the summary needs; runs in a worker process
+    when --jobs > 1. Returns {method (the row's name), seed, run_dir, seconds, final, image}, and
+    for a grid point {grid: {method, point}}."""
     from eblvm_core.plugins import load
     from eblvm_core.session import run as train
 
@@ -83,7 +69,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     final = _tabulated(run_dir, task, final)
     image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
-    return {
+    result = {
         "method": task["method"],
         "seed": task["seed"],
         "run_dir": str(run_dir),
@@ -91,6 +77,9 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         "final": final,
         "image": image,
     }
+    if task.get("grid"):
+        result["grid"] = task["grid"]  # a grid point's method and values, for whoever reads results.json
+    return result
 
 
 def _tabulated(run_dir: Path, task: dict[str, Any], final: dict[str, float]) -> dict[str, float]:
@@ -208,11 +197,12 @@ def compare(
     echo: Callable[[str], None] = print,
     only: list[str] = (),
 ) -> Path:
-    """Run the spec's methods over seeds and write table.md, figure.png and results.json into
-    ``out`` (default results/<name>); returns that folder. ``steps`` sets run.steps of every
-    method (quick or smoke runs); ``overrides`` apply to every method after the spec's; ``only``
-    names the methods to train (the others are tabulated from earlier runs in ``out``: their
-    records in done/, else their finished run directories, without training)."""
+    """Run the spec's rows (its methods, or each method's grid points when it sweeps) over seeds
+    and write table.md, figure.png and results.json into ``out`` (default results/<name>);
+    returns that folder. ``steps`` sets run.steps of every method (quick or smoke runs);
+    ``overrides`` apply to every method after the spec's and the grid's; ``only`` names the rows
+    to train, a method's name meaning all its rows (the others are tabulated from earlier runs
+    in ``out``: their records in done/, else their finished run directories, without training)."""
     import tomli_w
 
     from eblvm_core.recipe import load_recipe
@@ -220,25 +210,20 @@ def compare(
     extra = list(overrides) + ([f"run.steps={steps}"] if steps is not None else [])
     spec = load_spec(spec_path, extra)
     cfg = spec.compare
-    unknown = [name for name in only if name not in spec.recipes]
-    if unknown:
-        names = ", ".join(spec.recipes)
-        raise ConfigError(
-            "method", "name", f"--only {unknown[0]!r} is not a method of the spec ({names})", file=str(spec.path)
-        )
+    chosen = select(spec, only)
     n_seeds = seeds if seeds is not None else cfg.seeds
     out = Path(out) if out is not None else Path("results") / cfg.name
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
     tasks, resolved = [], []  # resolved: each task's Recipe.to_dict()
-    for method in spec.methods:
-        recipe_path = out / "recipes" / f"{slug(method.name)}.toml"
-        recipe_path.write_text(tomli_w.dumps(spec.recipes[method.name]))
+    for row in spec.methods:
+        recipe_path = out / "recipes" / f"{slug(row.name)}.toml"
+        recipe_path.write_text(tomli_w.dumps(spec.recipes[row.name]))
         for i in range(n_seeds):
             seed = cfg.seed_offset + i
-            name = f"{slug(method.name)}-seed{seed}"
+            name = f"{slug(row.name)}-seed{seed}"
             task = {
-                "method": method.name,
+                "method": row.name,
                 "seed": seed,
                 "name": name,
                 "first_seed": i == 0,
@@ -257,10 +242,17 @@ def compare(
                 "resume": None,
                 "resume_overrides": [],
             }
+            if row.point:
+                task["grid"] = {"method": row.method, "point": row.point}
             resolved.append(load_recipe(recipe_path, task["overrides"]).to_dict())
             task["fingerprint"] = fingerprint(task, resolved[-1])
             tasks.append(task)
-    echo(f"compare {spec.path}: {len(spec.methods)} methods × {n_seeds} seeds, {jobs} job(s), results in {out}")
+    if spec.sweeps:
+        n_methods = len({row.method for row in spec.methods})
+        what = f"{len(spec.methods)} rows ({n_methods} methods, their grid points)"
+    else:
+        what = f"{len(spec.methods)} methods"
+    echo(f"compare {spec.path}: {what} × {n_seeds} seeds, {jobs} job(s), results in {out}")
     by_index: dict[int, dict[str, Any]] = {}
     pending = []
     for index, task in enumerate(tasks):
@@ -270,7 +262,7 @@ def compare(
             by_index[index] = earlier
             continue
         unfinished = unfinished_run(task, resolved[index])
-        if only and task["method"] not in only:
+        if chosen is not None and task["method"] not in chosen:
             if unfinished is not None and not unfinished[1] and Provenance(unfinished[0]).finished:
                 task["resume"] = str(unfinished[0])  # tabulated as it stands: nothing is trained
                 echo(f"  {task['method']} seed {task['seed']}: finished earlier, tabulated  {unfinished[0]}")
@@ -329,7 +321,7 @@ def mean_std(values: list[float]) -> str:
 
 
 def markdown_table(spec: Spec, results: list[dict[str, Any]]) -> str:
-    """One row per method: each metric's mean ± std over seeds, the curve metric at each of
+    """One row per method (or grid point): each metric's mean ± std over seeds, the curve metric at each of
     ``table_steps`` (from metrics.jsonl), and the mean wall time per run."""
     metrics, cfg = spec.compare.metrics, spec.compare
     at_steps = [f"{cfg.curve.removeprefix('eval/')} at step {step:,}" for step in cfg.table_steps]
@@ -368,15 +360,19 @@ def mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[int, float]]
 
 
 def compose_figure(spec: Spec, results: list[dict[str, Any]]) -> Tensor | None:
-    """The methods' images in a labelled row above the learning-curve plot: (3, H, W) in [0, 1]."""
+    """The methods' images in titled rows at their own resolution above the learning curves of
+    ``spec.compare.curve`` on the axis ``curve_axis`` fits (``plot.comparison``): (3, H, W) in
+    [0, 1], or None when there is neither."""
+    import numpy as np
     from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
+
+    from eblvm_core.plot import comparison, render
 
     panels = []
     for method in spec.methods:
         path = next((r["image"] for r in results if r["method"] == method.name and r["image"]), None)
         if path is not None:
-            panels.append((method.name, Image.open(path).convert("RGB")))
+            panels.append((method.name, np.asarray(Image.open(path).convert("RGB"))))
     curves = {}
     if spec.compare.curve:
         for method in spec.methods:
@@ -384,40 +380,10 @@ def compose_figure(spec: Spec, results: list[dict[str, Any]]) -> Tensor | None:
             curve = mean_curve([c for c in per_seed if c])
             if curve:
                 curves[method.name] = curve
-    parts = []
-    if panels:
-        parts.append(_panel_rows(panels))
-    if curves:
-        parts.append(_curve_plot(curves, spec.compare.curve, spec.compare.curve_range))
-    if not parts:
+    if not panels and not curves:
         return None
-    width = max(p.width for p in parts)
-    canvas = Image.new("RGB", (width, sum(p.height for p in parts)), "white")
-    y = 0
-    for part in parts:
-        canvas.paste(part, (0, y))
-        y += part.height
-    return pil_to_tensor(canvas).float() / 255
-
-
-def _panel_rows(panels: list[tuple[str, Any]], height: int = 160, per_row: int = 4) -> Any:
-    """Labelled images, scaled to ``height``, ``per_row`` to a row (PIL image)."""
-    from PIL import Image, ImageDraw
-
-    from eblvm_core.plot import text
-
-    scaled = [
-        (name, im.resize((max(1, round(im.width * height / im.height)), height), Image.NEAREST)) for name, im in panels
-    ]
-    cell = max(im.width for _, im in scaled) + 10
-    rows = -(-len(scaled) // per_row)
-    sheet = Image.new("RGB", (10 + cell * min(per_row, len(scaled)), rows * (height + 30)), "white")
-    draw = ImageDraw.Draw(sheet)
-    for i, (name, im) in enumerate(scaled):
-        x, y = 10 + cell * (i % per_row), (height + 30) * (i // per_row)
-        text(draw, (x, y + 5), name)
-        sheet.paste(im, (x, y + 25))
-    return sheet
+    axis = curve_axis(curves, spec.compare.curve_range) if curves else None
+    return render(comparison(panels, curves, spec.compare.curve, axis))
 
 
 def curve_axis(curves: dict[str, list[tuple[int, float]]], value_range: list[float] | None) -> tuple[float, float]:
@@ -436,64 +402,3 @@ def curve_axis(curves: dict[str, list[tuple[int, float]]], value_range: list[flo
         hi = max(min(hi, value_range[1]), max(late))
     pad = 0.05 * (hi - lo) if hi > lo else 0.5 * max(abs(lo), 1e-3)
     return lo - pad, hi + pad
-
-
-def _curve_plot(
-    curves: dict[str, list[tuple[int, float]]],
-    metric: str,
-    value_range: list[float] | None = None,
-    width: int = 640,
-    height: int = 360,
-) -> Any:
-    """Each method's curve "<metric> vs step" on ticked axes fitted to the data (``curve_axis``),
-    with a legend (PIL only); values beyond the value axis are drawn as open triangles on its
-    edge, pointing the way they left, and counted under the title."""
-    from PIL import Image, ImageDraw
-
-    from eblvm_core.plot import label, nice_ticks, text
-
-    left, right, top, bottom = 70, 150, 44, 40
-    steps = [s for c in curves.values() for s, _ in c]
-    s_lo, s_hi = min(steps), max(steps)
-    if s_hi == s_lo:
-        s_lo -= 1
-    v_lo, v_hi = curve_axis(curves, value_range)
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    x0, x1, y0, y1 = left, width - right, top, height - bottom
-    draw.rectangle([x0, y0, x1, y1], outline="black")
-
-    def at(step: float, value: float) -> tuple[float, float]:
-        value = min(max(value, v_lo), v_hi)
-        return (x0 + (step - s_lo) / (s_hi - s_lo) * (x1 - x0), y1 - (value - v_lo) / (v_hi - v_lo) * (y1 - y0))
-
-    text(draw, (x0, 8), f"{metric.removeprefix('eval/')} vs step")
-    for t in nice_ticks(v_lo, v_hi):
-        y = at(s_lo, t)[1]
-        draw.line([x0 - 4, y, x0, y], fill="black")
-        draw.text((x0 - 8 - 6 * len(label(t)), y - 5), label(t), fill="black")
-    for t in nice_ticks(s_lo, s_hi):
-        x = at(t, v_lo)[0]
-        draw.line([x, y1, x, y1 + 4], fill="black")
-        draw.text((x - 3 * len(label(t)), y1 + 8), label(t), fill="black")
-    clipped = {"below": 0, "above": 0}
-    for i, (name, curve) in enumerate(curves.items()):
-        colour = PALETTE[i % len(PALETTE)]
-        xy = [at(s, v) for s, v in curve]
-        if len(xy) > 1:
-            draw.line(xy, fill=colour, width=2)
-        for (x, y), (_, v) in zip(xy, curve):
-            if v_lo <= v <= v_hi:
-                draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
-                continue
-            side = 1 if v < v_lo else -1  # triangles point down below the axis, up above it
-            clipped["below" if side > 0 else "above"] += 1
-            draw.polygon(
-                [(x - 5, y - 4 * side), (x + 5, y - 4 * side), (x, y + 5 * side)], outline=colour, fill="white"
-            )
-        draw.line([x1 + 10, y0 + 10 + 16 * i, x1 + 30, y0 + 10 + 16 * i], fill=colour, width=3)
-        text(draw, (x1 + 35, y0 + 4 + 16 * i), name)
-    if clipped["below"] or clipped["above"]:
-        counts = ", ".join(f"{n} {where}" for where, n in clipped.items() if n)
-        text(draw, (x0, 24), f"clipped (triangles on the edge): {counts} the axis")
-    return image

@@ -1,15 +1,18 @@
 """Work on a finished run without retraining: rebuild it from RUN_DIR/recipe.toml, load a
-checkpoint, then evaluate (``eblvm eval``) or draw samples (``eblvm sample``).
+checkpoint (last, best, one kept at step N, or a file), then evaluate (``eblvm eval``) or draw
+samples (``eblvm sample``); ``LoadedRun`` is also what ``eblvm.load`` gives a Python session.
 
 Evaluator results are appended to RUN_DIR/metrics.jsonl as
-``{"step": <checkpoint step>, "checkpoint": "<last|best|path>", "eval/<name>/<key>": value, ...}``
-and their images are written to RUN_DIR/eval/<name>-<key>-step<step>.png.
+``{"step": <checkpoint step>, "checkpoint": "<last|best|step:N|path>", "eval/<name>/<key>": value, ...}``,
+logged to the run's [[log]] loggers (TensorBoard) at the checkpoint's step under the training's
+tags, and their images are written to RUN_DIR/eval/<name>-<key>-step<step>.png.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +21,27 @@ import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.build import Built, _make, build, pick_device, set_threads
+from eblvm_core.build import Built, _make, build, build_loggers, pick_device, set_threads
 from eblvm_core.config import structure
 from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
-from eblvm_core.plot import scatter
+from eblvm_core.plot import image_grid, render, scatter
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
-from eblvm_core.rundir import append_metrics
+from eblvm_core.rundir import RECIPE, append_metrics, find_run_dir
 from eblvm_core.state import RunState
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 @attrs.define
 class LoadedRun:
-    """A run rebuilt from its recipe with a checkpoint's parameters loaded."""
+    """A run rebuilt from its recipe with a checkpoint's parameters loaded (the EMA weights in
+    place where a role keeps them), at ``step``: its ``model``, ``posterior``, ``data`` and every
+    other part in ``parts``, the ``sampler`` that ``eblvm sample`` uses, and ``evaluate`` and
+    ``sample``, which give what ``eblvm eval`` and ``eblvm sample`` give for the same seed."""
 
     run_dir: Path
     recipe: Recipe
@@ -44,13 +54,90 @@ class LoadedRun:
     def parts(self) -> Parts:
         return self.built.parts
 
+    @property
+    def model(self) -> Any:
+        """The energy model (the recipe's [model]), an nn.Module."""
+        return self.parts.model
+
+    @property
+    def posterior(self) -> Any:
+        """The variational posterior q(h|v) ([posterior]), or None when the recipe has none."""
+        return self.parts.posterior
+
+    @property
+    def data(self) -> DataSplits:
+        """The data splits ([data]): ``data.train``, ``data.test``, ``data.val``, ``data.tensor(split, n)``."""
+        return self.parts.data
+
+    @property
+    def sampler(self) -> Sampler:
+        """The sampler ``eblvm sample`` uses (``pick_sampler``): ``sampler.sample(model, n, generator)``."""
+        return pick_sampler(self)[0]
+
+    def evaluate(
+        self,
+        evaluators: Sequence[str | Mapping[str, Any]] | None = None,
+        seed: int | None = None,
+        record: bool = False,
+        echo: Callable[[str], None] | None = print,
+    ) -> EvalResult:
+        """Run the recipe's evaluators, or ``evaluators`` (names such as ``"ais-loglik"``, or
+        [[eval]] tables such as ``{"kind": "ais-loglik", "n_chains": 500}``), with every RNG
+        seeded by ``seed`` (default: the run's, as given to ``load``) first, so repeated calls
+        agree with each other and with ``eblvm eval``. Returns scalars and images keyed
+        ``eval/<name>/<key>``. ``record`` does what ``eblvm eval`` does with them (metrics.jsonl,
+        the [[log]] loggers, PNG files); ``echo`` gets a line before a long evaluator starts."""
+        chosen = None if evaluators is None else [_evaluator(self, table, i) for i, table in enumerate(evaluators)]
+        ckpt.seed_everything(self.seed if seed is None else seed)
+        result = run_evaluators(self, echo or (lambda _line: None), chosen)
+        if record:
+            _record(self, result)
+        return result
+
+    def sample(self, n: int = 64, sampler: str | None = None, seed: int | None = None) -> Tensor:
+        """``n`` samples (n, *event_shape) from the model, drawn by the sampler ``eblvm sample``
+        uses (or the sampler named ``sampler``) from a generator seeded by ``seed`` (default: the
+        run's): the raw samples ``eblvm sample`` writes for the same seed."""
+        chosen = pick_sampler(self, sampler)[0]
+        generator = torch.Generator(device=self.parts.device).manual_seed(self.seed if seed is None else seed)
+        return chosen.sample(self.parts.model, n, generator)
+
+
+def _evaluator(run: LoadedRun, table: str | Mapping[str, Any], index: int) -> tuple[str, Any]:
+    """(name, evaluator) built on the run's parts from a name or an [[eval]] table; errors name ``eval.<index>``."""
+    label = f"eval.{index}"
+    body = {"kind": table} if isinstance(table, str) else dict(table)
+    if not isinstance(body.get("kind"), str):
+        raise ConfigError(label, "kind", f"missing; choose one of: {', '.join(load()['evaluators'].names())}")
+    entry = load()["evaluators"].get(body.pop("kind"), section=label)
+    try:
+        return entry.name, _make(Section(label, entry, structure(entry.config, body, label)), run.parts)
+    except ConfigError as exc:
+        exc.file = exc.file or run.recipe.path
+        raise
+
 
 def resolve_checkpoint(run_dir: Path, which: str) -> Path:
-    """``last`` and ``best`` name RUN_DIR/checkpoints/{last,best}.pt; anything else is a path."""
+    """``last`` and ``best`` name RUN_DIR/checkpoints/{last,best}.pt, ``step:N`` the checkpoint
+    kept at step N ([run] keep_every: checkpoints/step-N.pt); anything else is a path."""
     if which == "last":
         path = ckpt.last_checkpoint(run_dir)
     elif which == "best":
         path = ckpt.best_checkpoint(run_dir)
+    elif which.startswith("step:"):
+        number = which.removeprefix("step:")
+        if not number.isdigit():
+            raise EblvmError(f"checkpoint '{which}': step:N takes a step number, e.g. step:5000")
+        path = ckpt.kept_checkpoint(run_dir, int(number))
+        if not path.exists():
+            kept = ckpt.kept_steps(run_dir)
+            have = (
+                "kept: " + ", ".join(f"step:{step}" for step in kept)
+                if kept
+                else "none is kept ([run] keep_every = N keeps one every N steps)"
+            )
+            raise EblvmError(f"no checkpoint {which} in {run_dir}: {have}")
+        return path
     else:
         path = Path(which)
     if not path.exists():
@@ -66,8 +153,11 @@ def load_run(
     overrides: list[str] = (),
     seed: int = 0,
     evals: list[dict[str, Any]] | None = None,
+    echo: Callable[[str], None] = _stderr,
 ) -> LoadedRun:
-    """Rebuild the run in ``run_dir`` on ``device`` (default: the recipe's) and load a checkpoint.
+    """Rebuild the run in ``run_dir`` on ``device`` (default: the recipe's) and load a checkpoint
+    (``resolve_checkpoint``). A run's name folder (``runs/<name>``) gives its latest run, which
+    ``echo`` names; a missing path and a folder that is not a run are distinct errors.
 
     ``evals`` ([[eval]] tables such as ``{"kind": "ais-loglik"}``) replace the recipe's evaluators
     before the overrides apply, so ``eval.0.n_chains=100`` sets an option of the first of them.
@@ -77,14 +167,14 @@ def load_run(
     optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations and samples
     are repeatable.
     """
-    run_dir = Path(run_dir)
-    recipe_path = run_dir / "recipe.toml"
-    if not recipe_path.exists():
-        raise EblvmError(f"{run_dir} is not a run directory: it has no recipe.toml")
+    run_dir, note = find_run_dir(run_dir)
+    if note is not None:
+        echo(note)
+    recipe_path = run_dir / RECIPE
     original = load_recipe(recipe_path)
     recipe = load_recipe(recipe_path, overrides, evals=evals)
     check_unchanged(original, recipe, "when evaluating a trained run", also=("sampler",))
-    recipe = with_run(recipe, select_metric=None)  # nothing is selected here, whichever evaluators run
+    recipe = with_run(recipe, select_metric=None, patience=None)  # nothing is selected here, whichever evaluators run
     if device is not None:
         recipe = with_run(recipe, device=device)
     path = resolve_checkpoint(run_dir, checkpoint)
@@ -106,12 +196,17 @@ def evaluator_tables(names: list[str]) -> list[dict[str, Any]]:
     return [{"kind": registry.get(name, section="--evaluator").name} for name in names]
 
 
-def run_evaluators(run: LoadedRun, echo: Callable[[str], None] = lambda _line: None) -> EvalResult:
-    """Run the run's evaluators: scalars and images keyed ``eval/<name>/<key>`` as in training;
-    an evaluator's ``announce`` line goes to ``echo`` before it starts."""
+def run_evaluators(
+    run: LoadedRun,
+    echo: Callable[[str], None] = lambda _line: None,
+    evaluators: list[tuple[str, Any]] | None = None,
+) -> EvalResult:
+    """Run the run's evaluators (or ``evaluators``, (name, evaluator) pairs): scalars and images
+    keyed ``eval/<name>/<key>`` as in training; an evaluator's ``announce`` line goes to ``echo``
+    before it starts."""
     scalars: dict[str, float] = {}
     images: dict[str, Tensor] = {}
-    for name, evaluator in run.built.evaluators:
+    for name, evaluator in run.built.evaluators if evaluators is None else evaluators:
         announce = getattr(evaluator, "announce", None)
         if announce:
             echo(f"{name}: {announce}")
@@ -121,8 +216,11 @@ def run_evaluators(run: LoadedRun, echo: Callable[[str], None] = lambda _line: N
     return EvalResult(scalars, images)
 
 
-def record(run: LoadedRun, result: EvalResult) -> list[Path]:
-    """Append the scalars to metrics.jsonl and write the images as PNG; returns the image paths."""
+def record(run: LoadedRun, result: EvalResult, log: bool = True) -> list[Path]:
+    """Append the scalars to metrics.jsonl, write the images as PNG and, with ``log``, log both
+    to the run's [[log]] loggers (TensorBoard) at the checkpoint's step under the training's tags
+    (``eval/<name>/<key>``), in new event files: nothing logged before is purged. Returns the
+    image paths."""
     from torchvision.utils import save_image
 
     append_metrics(run.run_dir, run.step, result.scalars, checkpoint=run.checkpoint)
@@ -132,7 +230,21 @@ def record(run: LoadedRun, result: EvalResult) -> list[Path]:
         path.parent.mkdir(exist_ok=True)
         save_image(image.float().cpu(), path)
         paths.append(path)
+    if log and (result.scalars or result.images):
+        loggers = build_loggers(run.recipe, run.run_dir)
+        try:
+            for logger in loggers:
+                if result.scalars:
+                    logger.log_scalars(run.step, result.scalars)
+                if result.images:
+                    logger.log_images(run.step, result.images)
+        finally:
+            for logger in loggers:
+                logger.close()
     return paths
+
+
+_record = record  # for LoadedRun.evaluate, whose argument ``record`` hides it
 
 
 def pick_sampler(run: LoadedRun, name: str | None = None) -> tuple[Sampler, str]:
@@ -175,16 +287,16 @@ def _sampler(registry: Any, name: str, options: dict[str, Any], label: str, run:
         raise
 
 
-def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
-    """Samples as one image (3 or 1, H, W) in [0, 1]: a scatter for 2-D vectors (axes, the data's
-    bounds, every point shown: ``plot.scatter``), else a grid of images. Image shape: the data's ``image_shape``, its stored shape, or a square side; pixel
-    values are mapped by the training data's range."""
-    from torchvision.utils import make_grid
-
+def samples_image(samples: Tensor, data: DataSplits | None, scale: int | None = None) -> Tensor:
+    """Samples as one image (3, H, W) in [0, 1]: a scatter for 2-D vectors (axes, the data's
+    bounds, every point shown: ``plot.scatter``), else a square-ish grid of images with every pixel
+    repeated ``scale`` × ``scale`` times (None: each image at least ``plot.MIN_SIDE`` pixels on its
+    shorter side; ``plot.image_grid``). Image shape: the data's ``image_shape``, its stored shape,
+    or a square side; pixel values are mapped by the training data's range."""
     n = len(samples)
     flat = samples.reshape(n, -1).detach().float().cpu()
     if flat.shape[1] == 2:
-        return scatter(flat, None if data is None else data.bounds)
+        return render(scatter(flat, None if data is None else data.bounds))
     shape = getattr(data, "image_shape", None) if data is not None else None
     if shape is None and data is not None and len(data.shape) >= 2:
         shape = data.shape
@@ -196,7 +308,7 @@ def samples_image(samples: Tensor, data: DataSplits | None) -> Tensor:
     reference = None if data is None else data.tensor("train", 10000)
     lo, hi = (0.0, 1.0) if reference is None else (float(reference.min()), float(reference.max()))
     images = ((flat - lo) / max(hi - lo, 1e-12)).clamp(0, 1).reshape(n, *shape)
-    return make_grid(images, nrow=max(1, math.isqrt(n)), padding=2, pad_value=1.0)
+    return image_grid(images, nrow=max(1, math.isqrt(n)), padding=2, scale=scale)
 
 
 def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -71,6 +72,28 @@ class RunConfig:
         None, "eval scalar (e.g. 'eval/exact-loglik/val_loglik') whose best value saves checkpoints/best.pt"
     )
     select_mode: Literal["max", "min"] = option("max", "whether a higher or a lower select_metric is better")
+    keep_every: int | None = option(
+        None,
+        "steps between kept checkpoints checkpoints/step-<N>.pt (never overwritten; a schedule of their own, "
+        "independent of checkpoint_every); absent: none are kept",
+        positive,
+    )
+    patience: int | None = option(
+        None,
+        "early stopping: end the run at the patience-th evaluation in a row that does not improve on the best "
+        "select_metric (needs select_metric and eval_every); absent: never stop early",
+        positive,
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.patience is None:
+            return
+        if self.select_metric is None:
+            raise ConfigError("run", "patience", "counts evaluations without improvement of select_metric: set it too")
+        if not self.eval_every:
+            raise ConfigError(
+                "run", "patience", "counts evaluations, but eval_every = 0 evaluates only at the end: set eval_every"
+            )
 
 
 SINGLE = {k.section: k.name for k in KINDS if k.section is not None and not k.many}
@@ -131,8 +154,7 @@ class Recipe:
                 out["optim"][name] = body
         if self.evals:
             out["eval"] = [clean(s) for s in self.evals]
-        if self.logs:
-            out["log"] = [clean(s) for s in self.logs]
+        out["log"] = [clean(s) for s in self.logs]  # also `log = []`: an absent [[log]] means the default logger
         return out
 
 
@@ -144,34 +166,126 @@ def parse_value(text: str) -> Any:
         return text
 
 
+INDEX = re.compile(r"[0-9]+")
+
+
 def apply_override(raw: dict[str, Any], override: str) -> None:
-    """Apply ``section.key=value`` (``optim.model.lr=1e-3``, ``eval.0.n_grid=200``) to ``raw``."""
-    path, sep, text = override.partition("=")
+    """Apply one ``-o`` override to ``raw`` (overrides apply left to right):
+
+    - ``section.key=value`` sets a value (``optim.model.lr=1e-3``, ``eval.0.n_grid=200``);
+      ``eval.N.key=value`` where N is the length of the [[eval]] (or [[log]]) list appends a new
+      table (``eval.2.kind=density-plot`` on a recipe with two evaluators adds a third);
+    - ``~section.key`` drops a key (its default applies again), ``~eval.N`` drops entry N of a
+      list (the later ones move up), ``~section`` a whole section.
+    """
+    text = override.strip()
+    if text.startswith("~"):
+        _drop(raw, override, text[1:])
+        return
+    path, sep, value = override.partition("=")
     keys = path.strip().split(".")
     if not sep or len(keys) < 2 or not all(keys):
-        raise ConfigError("", None, f"override '{override}' must look like section.key=value")
+        raise ConfigError(
+            "", None, f"override '{override}' must look like section.key=value (or ~section.key to drop a key)"
+        )
+    set_value(raw, keys, parse_value(value.strip()), f"override '{override}'")
+
+
+def _list_section(node: dict[str, Any], key: str) -> None:
+    """Make an absent [[eval]] or [[log]] list explicit before an override addresses its entries:
+    empty, or for [[log]] the default logger a recipe without [[log]] gets."""
+    if key in LISTS and key not in node:
+        node[key] = [{"kind": DEFAULT_LOGGER}] if key == "log" else []
+
+
+def _entry(items: list[Any], keys: list[str], i: int, what: str, append: bool) -> Any:
+    """Entry ``keys[i]`` of the list ``items`` (at ``keys[:i]``); ``append``: index len(items)
+    adds an empty table to a list of tables."""
+    key, n = keys[i], len(items)
+    where, listed = ".".join(keys[: i + 1]), ".".join(keys[:i])
+    if INDEX.fullmatch(key) and int(key) < n:
+        return items[int(key)]
+    tables = all(isinstance(item, dict) for item in items)
+    if append and tables and INDEX.fullmatch(key) and int(key) == n:
+        items.append({})
+        return items[-1]
+    if not INDEX.fullmatch(key):
+        raise ConfigError(
+            listed,
+            None,
+            f"{what}: [[{listed}]] is a list: name an entry by its index, e.g. {listed}.0.kind, not '{key}'",
+        )
+    adds = f"; {listed}.{n}.<key>=<value> adds one" if append and tables else ""
+    raise ConfigError(where, None, f"{what}: no item {key} (there are {n}{adds})")
+
+
+def set_value(raw: dict[str, Any], keys: list[str] | str, value: Any, what: str | None = None) -> None:
+    """Set the recipe value at ``keys`` (a dotted path or its parts) in ``raw``, creating tables
+    on the way; an index equal to the length of a list of tables appends one. An override never
+    adds an [optim.<role>]. ``what`` (e.g. "override 'a.b=1'") starts error messages."""
+    keys = keys.split(".") if isinstance(keys, str) else list(keys)
+    what = what or f"'{'.'.join(keys)}'"
     node: Any = raw
     for i, key in enumerate(keys[:-1]):
-        where = ".".join(keys[: i + 1])
         if isinstance(node, list):
-            if not key.isdigit() or int(key) >= len(node):
-                raise ConfigError(where, None, f"override '{override}': no item {key} (there are {len(node)})")
-            node = node[int(key)]
+            node = _entry(node, keys, i, what, append=True)
         elif isinstance(node, dict):
             if key not in node and i == 0 and key not in TOP_LEVEL:
-                raise ConfigError(key, None, f"override '{override}': unknown section{did_you_mean(key, TOP_LEVEL)}")
+                raise ConfigError(key, None, f"{what}: unknown section{did_you_mean(key, TOP_LEVEL)}")
             if key not in node and keys[0] == "optim" and i == 1:  # an override never adds a role
                 hint = did_you_mean(key, list(node))
-                raise ConfigError(f"optim.{key}", None, f"override '{override}': the recipe has no such role{hint}")
+                raise ConfigError(f"optim.{key}", None, f"{what}: the recipe has no such role{hint}")
+            if i == 0:
+                _list_section(node, key)
             node = node.setdefault(key, {})
         else:
-            raise ConfigError(
-                ".".join(keys[: i - 1]), keys[i - 1], f"override '{override}': a value, not a section holding '{key}'"
-            )
+            raise ConfigError(".".join(keys[: i - 1]), keys[i - 1], f"{what}: a value, not a section holding '{key}'")
+    if isinstance(node, list):
+        listed = ".".join(keys[:-1])
+        if not INDEX.fullmatch(keys[-1]):
+            _entry(node, keys, len(keys) - 1, what, append=False)  # refuses a key that is no index
+        raise ConfigError(
+            listed, None, f"{what}: an entry of [[{listed}]] is a table: set its keys, e.g. {'.'.join(keys)}.kind=..."
+        )
     if not isinstance(node, dict):
         section, key = ".".join(keys[:-2]), keys[-2]
-        raise ConfigError(section, key, f"override '{override}': a value, not a section holding '{keys[-1]}'")
-    node[keys[-1]] = parse_value(text.strip())
+        raise ConfigError(section, key, f"{what}: a value, not a section holding '{keys[-1]}'")
+    node[keys[-1]] = value
+
+
+def _drop(raw: dict[str, Any], override: str, path: str) -> None:
+    """``~a.b.c``: remove key c of table a.b, or entry c of list a.b."""
+    keys = path.strip().split(".")
+    what = f"override '{override}'"
+    if "=" in path or not all(keys):
+        raise ConfigError("", None, f"{what}: a drop looks like ~section.key or ~eval.N, without a value")
+    node: Any = raw
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        if isinstance(node, list):
+            if INDEX.fullmatch(key) and int(key) < len(node):
+                if last:
+                    del node[int(key)]
+                    return
+                node = node[int(key)]
+            else:
+                listed = ".".join(keys[:i])
+                raise ConfigError(listed, None, f"{what}: no item {key} to drop (there are {len(node)})")
+        elif isinstance(node, dict):
+            if i == 0 and not last:
+                _list_section(node, key)
+            if key not in node:
+                section = ".".join(keys[:i])
+                hint = did_you_mean(key, [str(k) for k in node])
+                raise ConfigError(
+                    section or key, key if section else None, f"{what}: not in the recipe, nothing to drop{hint}"
+                )
+            if last:
+                del node[key]
+                return
+            node = node[key]
+        else:
+            raise ConfigError(".".join(keys[: i - 1]), keys[i - 1], f"{what}: a value, not a section holding '{key}'")
 
 
 def _component(label: str, body: Any, kind: str, plugins: Loaded) -> Section:
@@ -235,6 +349,10 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
     try:
         _check_text(raw, "")
         for key in raw:
+            if key in (INCLUDE, REPLACE):
+                raise ConfigError(
+                    "", key, "is resolved when a recipe file is read (recipe.read): give the recipe as a file"
+                )
             if key not in TOP_LEVEL:
                 raise ConfigError(
                     key, None, f"unknown section{did_you_mean(key, TOP_LEVEL)}; valid: {', '.join(TOP_LEVEL)}"
@@ -265,8 +383,9 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
         raise
 
 
-def read(path: str | Path) -> dict[str, Any]:
-    """Parse a TOML file; a missing, unreadable, binary or malformed file becomes a ConfigError."""
+def parse(path: str | Path) -> dict[str, Any]:
+    """Parse one TOML file, includes unresolved; a missing, unreadable, binary or malformed file
+    becomes a ConfigError."""
     path = Path(path)
     file = str(path)
     try:
@@ -296,14 +415,121 @@ def read(path: str | Path) -> dict[str, Any]:
         raise ConfigError("", None, f"invalid TOML: {exc}", file=file) from None
 
 
+INCLUDE, REPLACE = "include", "replace"  # top-level keys of composition, resolved by ``read``
+
+
+def read(path: str | Path) -> dict[str, Any]:
+    """Parse a recipe (or comparison spec) file and resolve its includes: ``include = ["base.toml"]``
+    (paths relative to the including file; included files may include others) merges the
+    included files in order, then this file's own keys over them (``merge``); ``replace =
+    ["eval"]`` lists keys of this file that replace the included value instead of being merged
+    with (or appended to) it. A file reached twice (two files that include one base) is merged
+    once, where it is first included. The result has neither key. A missing include, an include
+    cycle or a wrong ``replace`` is a ConfigError naming the including file and the key."""
+    return _compose(Path(path), str(path), (), set())
+
+
+def _compose(path: Path, file: str, chain: tuple[tuple[Path, str], ...], done: set[Path]) -> dict[str, Any]:
+    """``read`` of ``path`` (named ``file`` in errors), included from the files of ``chain``
+    ((resolved path, name), outermost first); ``done`` holds the files merged so far."""
+    raw = parse(path)
+    includes, replace = raw.pop(INCLUDE, None), raw.pop(REPLACE, None)
+    if includes is None:
+        if replace is not None:
+            raise ConfigError("", REPLACE, "names keys that replace the included files' values: set include", file=file)
+        return raw
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not includes or not all(isinstance(n, str) and n for n in includes):
+        raise ConfigError(
+            "",
+            INCLUDE,
+            f'must be a file name or a list of them, e.g. include = ["base.toml"], got {includes!r}',
+            file=file,
+        )
+    replaced = _replaced(replace, raw, file)
+    chain = (*chain, (path.resolve(), file))
+    merged: dict[str, Any] = {}
+    for name in includes:
+        target = Path(name) if Path(name).is_absolute() else path.parent / name
+        shown = os.path.normpath(target)
+        if not target.is_file():
+            what = "is a directory, not a recipe file" if target.is_dir() else "no such file"
+            raise ConfigError("", INCLUDE, f"'{name}': {what} ({shown})", file=file)
+        resolved = target.resolve()
+        on_chain = [p for p, _ in chain]
+        if resolved in on_chain:
+            loop = [named for _, named in chain[on_chain.index(resolved) :]]
+            raise ConfigError(
+                "", INCLUDE, f"'{name}' makes an include cycle: {' -> '.join([*loop, loop[0]])}", file=file
+            )
+        if resolved not in done:
+            merged = merge(merged, _compose(target, shown, chain, done))
+            done.add(resolved)
+    return merge(merged, raw, replaced)
+
+
+def _replaced(replace: Any, raw: dict[str, Any], file: str) -> frozenset[str]:
+    """The dotted keys of a ``replace`` list, each a key of the file's own ``raw``."""
+    if replace is None:
+        return frozenset()
+    if isinstance(replace, str):
+        replace = [replace]
+    if not isinstance(replace, list) or not all(isinstance(p, str) for p in replace):
+        raise ConfigError(
+            "", REPLACE, f'must be a list of keys of this file, e.g. replace = ["eval"], got {replace!r}', file=file
+        )
+
+    def paths(node: Any, prefix: str = "") -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        return [p for k, v in node.items() for p in [f"{prefix}{k}", *paths(v, f"{prefix}{k}.")]]
+
+    own = paths(raw)
+    for path in replace:
+        if path not in own:
+            raise ConfigError(
+                "",
+                REPLACE,
+                f"'{path}' is not a key of this file{did_you_mean(path, own)}: nothing to replace with",
+                file=file,
+            )
+    return frozenset(replace)
+
+
+def _tables(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+
+
+def merge(
+    base: dict[str, Any], top: dict[str, Any], replace: frozenset[str] = frozenset(), prefix: str = ""
+) -> dict[str, Any]:
+    """``top`` over ``base`` (parsed TOML): tables merge key by key, a non-empty array of tables
+    ([[eval]], [[log]]) is appended to the base's, anything else (values, plain arrays, ``eval =
+    []``) replaces the base's, as does every dotted key in ``replace``."""
+    out = dict(base)
+    for key, value in top.items():
+        path = f"{prefix}{key}"
+        old = out.get(key)
+        if path in replace or key not in out:
+            out[key] = value
+        elif isinstance(old, dict) and isinstance(value, dict):
+            out[key] = merge(old, value, replace, f"{path}.")
+        elif value and _tables(value) and _tables(old):
+            out[key] = [*old, *value]
+        else:
+            out[key] = value
+    return out
+
+
 def load_recipe(
     path: str | Path,
     overrides: list[str] = (),
     plugins: Loaded | None = None,
     evals: list[dict[str, Any]] | None = None,
 ) -> Recipe:
-    """Read, override and validate a recipe file; ``evals`` ([[eval]] tables) replace its
-    evaluators before the overrides apply."""
+    """Read (includes resolved, ``read``), override (``apply_override``, in order) and validate a
+    recipe file; ``evals`` ([[eval]] tables) replace its evaluators before the overrides apply."""
     raw = read(path)
     if evals is not None:
         raw["eval"] = [dict(table) for table in evals]
@@ -316,14 +542,16 @@ def load_recipe(
     return validate(raw, str(path), plugins)
 
 
-# Keys that may differ between a run's recipe and a resumed (or evaluated) one: how long to train,
-# how often to log, evaluate and checkpoint, where (device, threads, the data folder), and what
+# Keys that may differ between a run's recipe and a resumed (or evaluated) one: how long to train
+# (steps, and the patience of early stopping), how often to log, evaluate and checkpoint, where (device, threads, the data folder), and what
 # to evaluate and where to log. Everything else decides what is trained and is fixed for a run.
 RESUMABLE = (
     "run.steps",
     "run.log_every",
     "run.eval_every",
     "run.checkpoint_every",
+    "run.keep_every",
+    "run.patience",
     "run.threads",
     "run.device",
     "run.cuda_graph",

@@ -15,6 +15,7 @@ import datetime
 import json
 import math
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -23,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eblvm_core.errors import EblvmError, FileSystemError
+from eblvm_core.errors import ConfigError, EblvmError, FileSystemError
 from eblvm_core.recipe import Recipe
 
 LOCK = ".lock"
@@ -56,6 +57,42 @@ def new_run_dir(out: str | Path, name: str) -> Path:
         raise FileSystemError(
             f"{exc.filename or out}: cannot create the run directory: {exc.strerror or exc}"
         ) from None
+
+
+STAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # a run directory's name: its start, and a suffix if taken
+
+
+def _age(path: Path) -> tuple:
+    """A sort key: run directories by the start in their names (``new_run_dir``), those named
+    otherwise before them."""
+    match = STAMP.fullmatch(path.name)
+    return (1, match.group(1), int(match.group(2) or 0)) if match else (0, path.name, 0)
+
+
+def find_run_dir(path: str | Path, doing: str = "") -> tuple[Path, str | None]:
+    """(run directory, note) for a path given by the user: a run directory (it holds recipe.toml)
+    as it is; a run's name folder (``<out>/<name>``, holding timestamped run directories) gives
+    its latest run, and ``note`` says which (else None). A path that does not exist and a folder
+    that is not a run are two different ConfigErrors, ``path: <doing: >what``."""
+    path = Path(path)
+    if (path / RECIPE).is_file():
+        return path, None
+    prefix = f"{doing}: " if doing else ""
+    if not path.exists():
+        raise ConfigError("", None, f"{prefix}no such directory", file=str(path))
+    if not path.is_dir():
+        raise ConfigError("", None, f"{prefix}not a run directory: a file, not a folder", file=str(path))
+    runs = sorted((d for d in path.iterdir() if d.is_dir() and (d / RECIPE).is_file()), key=_age)
+    if not runs:
+        raise ConfigError(
+            "",
+            None,
+            f"{prefix}not a run directory: it has no {RECIPE}, and no run directory inside it has one either",
+            file=str(path),
+        )
+    latest = runs[-1]
+    which = f"the latest of its {len(runs)} runs" if len(runs) > 1 else "its one run"
+    return latest, f"{path}: a run name's folder; using {which}: {latest}"
 
 
 def write_recipe(recipe: Recipe, run_dir: Path) -> None:
@@ -217,10 +254,14 @@ def plugin_versions() -> dict[str, dict[str, str | None]]:
     return out
 
 
-def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
+ENDED = ("finished", "stopped early")  # statuses of a session that ended with the run's final evaluation
+
+
+def session(device: str, world: int, step: int, threads: int, command: str | None = None) -> dict[str, Any]:
     """Provenance of this process's session on a run, starting at ``step``: the command as typed
-    (``eblvm run --nproc-per-node N ...`` for the launch, not what each rank ran), versions,
-    where it ran, and every plugin with its distribution and version."""
+    (``eblvm run --nproc-per-node N ...`` for the launch, not what each rank ran; ``command``
+    when given, e.g. a Python call), versions, where it ran, and every plugin with its
+    distribution and version."""
     import torch
 
     from eblvm_core import __version__
@@ -230,7 +271,7 @@ def session(device: str, world: int, step: int, threads: int) -> dict[str, Any]:
         "ended": None,
         "status": "running",
         "from_step": step,
-        "command": os.environ.get(COMMAND) or shlex.join(sys.argv),
+        "command": command or os.environ.get(COMMAND) or shlex.join(sys.argv),
         "cwd": os.getcwd(),
         "host": socket.gethostname(),
         "eblvm": __version__,
@@ -257,19 +298,26 @@ class Provenance:
             self.data = {"sessions": []}
 
     @property
-    def finished(self) -> bool:
-        """Whether the last session ended with the run's final evaluation."""
+    def status(self) -> str | None:
+        """How the last session ended (``end``), "running" while it runs, None before any."""
         sessions = self.data["sessions"]
-        return bool(sessions) and sessions[-1].get("status") == "finished"
+        return sessions[-1].get("status") if sessions else None
 
-    def start(self, device: str, world: int, step: int, threads: int) -> None:
-        """Open a session: device, processes and CPU threads per process, from ``step``."""
-        self.data["sessions"].append(session(device, world, step, threads))
+    @property
+    def finished(self) -> bool:
+        """Whether the last session ended with the run's final evaluation (finished, or stopped early)."""
+        return self.status in ENDED
+
+    def start(self, device: str, world: int, step: int, threads: int, command: str | None = None) -> None:
+        """Open a session: device, processes and CPU threads per process, from ``step``; ``command``
+        says what started it when it was not a command line (``eblvm.train(...)``)."""
+        self.data["sessions"].append(session(device, world, step, threads, command))
         self.write()
 
     def end(self, status: str, step: int | None) -> None:
-        """Record how the current session ended: finished, diverged, interrupted, failed, or
-        killed (by a second Ctrl-C under ``--nproc-per-node``: the step is then unknown, None)."""
+        """Record how the current session ended: finished, stopped early ([run] patience),
+        diverged, interrupted, failed, or killed (by a second Ctrl-C under ``--nproc-per-node``:
+        the step is then unknown, None)."""
         if self.data["sessions"]:
             self.data["sessions"][-1].update(ended=now(), status=status, to_step=step)
             with contextlib.suppress(OSError):
@@ -302,3 +350,23 @@ class RunLog:
         """Append to run.log only (what the CLI prints itself, an error line)."""
         with open(self.path, "a") as fh:
             fh.write(line + "\n")
+
+
+def hyperparameters(recipe: Recipe | dict[str, Any]) -> dict[str, float | int | str | bool]:
+    """The resolved recipe but its [[eval]] and [[log]] lists, flattened to dotted keys
+    (``"optim.model.lr": 0.001``, ``"optim.model.schedule.kind": "constant"``); lists become JSON text."""
+    flat: dict[str, float | int | str | bool] = {}
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif isinstance(value, (bool, int, float, str)):
+                flat[name] = value
+            elif value is not None:
+                flat[name] = json.dumps(value)
+
+    resolved = recipe if isinstance(recipe, dict) else recipe.to_dict()
+    walk({k: v for k, v in resolved.items() if k not in ("eval", "log")}, "")
+    return flat

@@ -1,4 +1,5 @@
 """A training session on a run directory: a new run or the continuation of one, from the recipe
+(a file, TOML-ready data or a ``Recipe``: ``eblvm run`` and ``eblvm.train`` take this one path)
 to the final evaluation. It locks the directory, writes the resolved recipe and provenance,
 turns SIGINT and SIGTERM into a checkpoint and a clean stop, and records how the session ended;
 nothing is written before the recipe built and, on resume, the checkpoint loaded and fitted.
@@ -7,12 +8,12 @@ Under torchrun every process runs it; rank 0 alone writes."""
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import secrets
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.build import Built, auto_on_cpu, build, build_loggers, pick_device, set_threads
+from eblvm_core.build import Built, auto_on_cpu, build, build_loggers, check_loggers, pick_device, set_threads
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
 from eblvm_core.launch import resume_command
-from eblvm_core.recipe import Recipe, check_unchanged, load_recipe, with_run
+from eblvm_core.recipe import Recipe, apply_override, check_unchanged, load_recipe, validate, with_run
 from eblvm_core.rundir import (
     RECIPE,
     Provenance,
@@ -31,48 +32,82 @@ from eblvm_core.rundir import (
     RunLog,
     announce_run_dir,
     clean_metrics,
+    find_run_dir,
+    hyperparameters,
     new_run_dir,
     write_recipe,
 )
 from eblvm_core.trainer import Trainer
 
+DICT_RECIPE = "<recipe dict>"  # what errors name as the file of a recipe given as data
+
+
+def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: list[str] = ()) -> Recipe:
+    """A validated recipe from a TOML file's path, TOML-ready data (a dict as ``tomllib`` reads a
+    recipe, or ``Recipe.to_dict()`` gives) or a ``Recipe``, with ``-o`` style overrides applied;
+    the same validation and errors as a file (data is named ``<recipe dict>``)."""
+    if isinstance(recipe, (str, Path)):
+        return load_recipe(recipe, overrides)
+    if isinstance(recipe, Recipe):
+        if not overrides:
+            return recipe
+        raw, path = recipe.to_dict(), recipe.path
+        if not recipe.logs:
+            raw["log"] = []  # to_dict leaves an empty [[log]] out, which would mean the default logger
+    elif isinstance(recipe, Mapping):
+        raw, path = copy.deepcopy(dict(recipe)), DICT_RECIPE
+    else:
+        raise TypeError(f"a recipe is a path, a dict or a Recipe, not {type(recipe).__name__}")
+    try:
+        for override in overrides:
+            apply_override(raw, override)
+    except ConfigError as exc:
+        exc.file = path
+        raise
+    return validate(raw, path)
+
 
 def run(
-    recipe_path: str | Path | None,
+    recipe_path: str | Path | Mapping[str, Any] | Recipe | None,
     overrides: list[str] = (),
     device: str | None = None,
     out: str | Path = "runs",
     resume: str | Path | None = None,
     echo: Callable[[str], None] = print,
+    command: str | None = None,
 ) -> tuple[Path, dict[str, float]]:
-    """Train from a recipe (or continue the run in ``resume``); returns (run_dir, final eval).
+    """Train from a recipe (a path, TOML-ready data or a ``Recipe``: ``resolve_recipe``) or
+    continue the run in ``resume`` (a run directory, or a run's name folder: its latest run, said
+    through ``echo``); returns (run_dir, final eval). ``command`` is what run.json records as
+    having started the session (default: the command line).
 
-    On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, intervals, device,
-    threads, data root, evaluators, loggers); they are checked, as is the checkpoint, before
-    anything is written. Under torchrun every process calls it and joins the process group for
-    the run; ranks > 0 return an empty evaluation.
+    On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, patience,
+    intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
+    checkpoint, before anything is written. Under torchrun every process calls it and joins the
+    process group for the run; ranks > 0 return an empty evaluation.
     """
     if resume is not None:
-        run_dir = Path(resume)
+        run_dir, note = find_run_dir(resume, "cannot resume")
+        if note is not None and distributed.rank() == 0:
+            echo(note)
+        resume = run_dir
         recipe_file = run_dir / RECIPE
-        if not recipe_file.is_file():
-            what = "no such directory" if not run_dir.exists() else f"not a run directory: it has no {RECIPE}"
-            raise ConfigError("", None, f"cannot resume: {what}", file=str(run_dir))
         recipe = load_recipe(recipe_file, overrides)
         check_unchanged(load_recipe(recipe_file), recipe, "when resuming")
     else:
-        recipe = load_recipe(recipe_path, overrides)
+        recipe = resolve_recipe(recipe_path, overrides)
         if recipe.run.seed is None:
             recipe = with_run(recipe, seed=secrets.randbelow(2**31))
     if device is not None:
         recipe = with_run(recipe, device=device)
+    check_loggers(recipe)
     try:
         torch_device = pick_device(recipe.run.device)
     except ConfigError as exc:
         exc.file = exc.file or recipe.path
         raise
     with stop_on_signals() as signals, distributed.process_group(torch_device) as torch_device:
-        return _train(recipe, torch_device, out, resume, echo, signals)
+        return _train(recipe, torch_device, out, resume, echo, signals, command)
 
 
 class Signals:
@@ -144,6 +179,7 @@ def _train(
     resume: str | Path | None,
     echo: Callable[[str], None],
     signals: Signals,
+    command: str | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
     seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
@@ -160,11 +196,8 @@ def _train(
         if resume is not None:
             run_dir = Path(resume)
             state, finished = _checked_resume(recipe, run_dir, device, locks)
-            if finished:
-                echo(
-                    f"{run_dir} finished at step {recipe.run.steps}: nothing to do "
-                    "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
-                )
+            if finished is not None:
+                echo(finished)
                 return run_dir, {}
         ckpt.seed_everything(recipe.run.seed)
         built = build(recipe, device)
@@ -187,7 +220,7 @@ def _train(
         if rank == 0:
             announce_run_dir(run_dir)
         trainer.run_dir = run_dir
-        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals)
+        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals, command)
     finally:
         for lock in locks:
             lock.release()
@@ -195,32 +228,44 @@ def _train(
 
 def _checked_resume(
     recipe: Recipe, run_dir: Path, device: torch.device, locks: list[RunLock]
-) -> tuple[dict[str, Any] | None, bool]:
+) -> tuple[dict[str, Any] | None, str | None]:
     """(checkpoint, finished) of the run to continue: lock the run directory (rank 0, the lock
     goes into ``locks``), remove stale temporary checkpoints, load last.pt and check it against
     the recipe. Without a checkpoint (stopped before the first) the state is None and the run
-    starts again from step 0 in its directory; ``finished`` when nothing is left to do."""
+    starts again from step 0 in its directory; ``finished`` is a line saying why nothing is left
+    to do (the run ended at [run] steps, or stopped early and the patience is still spent), else
+    None."""
     path = ckpt.last_checkpoint(run_dir)
     loaded: dict[str, Any] = {}
 
-    def check() -> tuple[int | None, bool]:
+    def check() -> tuple[int | None, bool, int]:
         locks.append(RunLock(run_dir).acquire())
         ckpt.remove_stale_temporaries(run_dir)
         if not path.exists():
-            return None, False
+            return None, False, 0
         loaded["state"] = ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
         ckpt.check_checkpoint_recipe(loaded["state"], recipe, path)
-        return int(loaded["state"]["step"]), Provenance(run_dir).finished
+        return int(loaded["state"]["step"]), Provenance(run_dir).finished, int(loaded["state"].get("stale", 0))
 
-    step, finished = _on_rank0(check)
+    step, finished, stale = _on_rank0(check)
     if step is None:
-        return None, False
+        return None, None
     if step > recipe.run.steps:
         raise ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}", file=recipe.path)
     if step == recipe.run.steps and finished:
-        return None, True
+        return None, (
+            f"{run_dir} finished at step {step}: nothing to do "
+            "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
+        )
+    patience = recipe.run.patience
+    if finished and patience is not None and stale >= patience:
+        return None, (
+            f"{run_dir} stopped early at step {step}: {stale} evaluations without improvement, "
+            f"[run] patience = {patience}: nothing to do (continue it with a larger -o run.patience=N; "
+            "evaluate it with eblvm eval)"
+        )
     state = loaded.get("state") or ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
-    return state, False
+    return state, None
 
 
 def _new_run_dir(out: str | Path, name: str, locks: list[RunLock]) -> Path:
@@ -241,8 +286,10 @@ def _fit(
     resume: str | Path | None,
     echo: Callable[[str], None],
     signals: Signals,
+    command: str | None = None,
 ) -> tuple[Path, dict[str, float]]:
-    """Write the run directory's recipe, provenance and log (rank 0), train, and record how it ended."""
+    """Write the run directory's recipe, provenance and log (rank 0), train, and record how it
+    ended: "finished", "stopped early" ([run] patience), "diverged", "interrupted" or "failed"."""
     rank, world = trainer.rank, trainer.world
     log = RunLog(run_dir, echo) if rank == 0 else echo
     provenance = Provenance(run_dir) if rank == 0 else None
@@ -251,9 +298,10 @@ def _fit(
         try:
             if rank == 0:
                 write_recipe(recipe, run_dir)
-                if resume is not None:
-                    clean_metrics(run_dir, trainer.step, trainer.step == recipe.run.steps)
-                provenance.start(str(device), world, trainer.step, threads)
+                if resume is not None:  # the final evaluation runs again at the end, or at once if it stopped early
+                    final_pending = trainer.step == recipe.run.steps or trainer.out_of_patience()
+                    clean_metrics(run_dir, trainer.step, final_pending)
+                provenance.start(str(device), world, trainer.step, threads, command)
                 built.loggers = build_loggers(recipe, run_dir)
                 if resume is not None:
                     for logger in built.loggers:
@@ -295,7 +343,7 @@ def _fit(
             ) from None
         finally:
             signals.done()
-        status = "finished"
+        status = "finished" if trainer.stopped_early is None else "stopped early"
         if rank == 0:
             for key, value in results.items():
                 log.write(f"{key.removeprefix('eval/')}: {value:.6g}")
@@ -319,25 +367,6 @@ def _fit(
         if provenance is not None:
             with contextlib.suppress(OSError):
                 provenance.end(status, trainer.step)
-
-
-def hyperparameters(recipe: Recipe) -> dict[str, float | int | str | bool]:
-    """The resolved recipe but its [[eval]] and [[log]] lists, flattened to dotted keys
-    (``"optim.model.lr": 0.001``, ``"optim.model.schedule.kind": "constant"``); lists become JSON text."""
-    flat: dict[str, float | int | str | bool] = {}
-
-    def walk(node: dict[str, Any], prefix: str) -> None:
-        for key, value in node.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                walk(value, name + ".")
-            elif isinstance(value, (bool, int, float, str)):
-                flat[name] = value
-            elif value is not None:
-                flat[name] = json.dumps(value)
-
-    walk({k: v for k, v in recipe.to_dict().items() if k not in ("eval", "log")}, "")
-    return flat
 
 
 def _kept(trainer: Trainer) -> str:

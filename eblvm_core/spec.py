@@ -25,10 +25,23 @@ A spec::
 
     [[final_eval]]    # optional: run once on the tabulated checkpoint (else: the run's final evaluation)
     kind = "ais-loglik"
+
+    [sweep]           # optional: a grid over recipe keys; each [[method]] gives one row per grid point
+    "optim.model.lr" = [1e-3, 3e-3]                               # row label: the key's last part, "lr"
+    "estimator.inner_steps" = { values = [5, 10], label = "K" }   # or a label of its own
+
+With the [sweep] above a method "BiSSM" gives the rows "BiSSM lr=0.001 K=5", "BiSSM lr=0.001
+K=10", "BiSSM lr=0.003 K=5" and "BiSSM lr=0.003 K=10" (the first key varies slowest), each run
+over the seeds; a point's values apply after the spec's and the method's overrides (before
+``eblvm compare -o``). A method's own ``sweep = {...}`` replaces the spec's grid for it (``sweep =
+{}``: no grid, one row named as the method). Method recipes may ``include`` others
+(``recipe.read``).
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -38,7 +51,7 @@ import attrs
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import load
-from eblvm_core.recipe import _component, apply_override, read, validate
+from eblvm_core.recipe import _component, apply_override, read, set_value, validate
 
 
 def is_spec(raw: dict[str, Any]) -> bool:
@@ -86,20 +99,51 @@ class MethodConfig:
     name: str = option(help="label in the table and figure")
     recipe: str = option(help="recipe file, relative to the spec file or else to the working directory")
     overrides: list[str] = option([], "section.key=value overrides of this method")
+    sweep: dict[str, Any] | None = option(
+        None, "this method's own grid, written as [sweep], instead of the spec's; {} for no grid"
+    )
+
+
+@attrs.frozen
+class Axis:
+    """One key of a grid: the dotted recipe key, its label in row names, and its values."""
+
+    key: str
+    label: str
+    values: list[Any]
+
+
+@attrs.frozen
+class Row:
+    """One row of the table (and of the figure): a [[method]] without a grid, named as it, or
+    one grid point of a method, named "<method> <label>=<value> ..."; ``point`` maps each grid
+    key to its value (empty without a grid)."""
+
+    name: str
+    method: str
+    recipe: str
+    overrides: list[str]
+    point: dict[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
 class Spec:
-    """A validated spec: each method's recipe, merged with the spec's [[eval]] tables and
-    overrides, as TOML-ready data (``recipes``), the file it came from (``recipe_paths``);
-    ``final_evals`` as raw tables."""
+    """A validated spec: its rows (``methods``: one per [[method]], or per grid point of a method
+    that sweeps), each row's recipe merged with the spec's [[eval]] tables, overrides and grid
+    values as TOML-ready data (``recipes``, by row name), the file it came from
+    (``recipe_paths``); ``final_evals`` as raw tables."""
 
     path: Path
     compare: CompareConfig
-    methods: list[MethodConfig]
+    methods: list[Row]
     recipes: dict[str, dict[str, Any]]
     recipe_paths: dict[str, Path]
     final_evals: list[dict[str, Any]]
+
+    @property
+    def sweeps(self) -> bool:
+        """Whether some method has a grid."""
+        return any(row.point for row in self.methods)
 
 
 def slug(name: str) -> str:
@@ -114,17 +158,99 @@ def _tables(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return items
 
 
+SECTIONS = ("compare", "method", "eval", "final_eval", "sweep")
+NOT_SWEPT = {"run.seed": "seeds come from [compare] seeds and seed_offset", "run.name": "each row names its runs"}
+SWEEP_EXAMPLE = '"optim.model.lr" = [1e-3, 3e-3] or "estimator.inner_steps" = { values = [5, 10], label = "K" }'
+
+
+def grid(body: Any, section: str) -> list[Axis]:
+    """The axes of a [sweep] table (or a method's ``sweep``), in the order written. Keys are dotted
+    recipe keys, quoted or not; each holds a list of values or ``{ values = [...], label = "K" }``."""
+    if not isinstance(body, dict):
+        raise ConfigError(section, None, f"must be a table of recipe keys and their values, e.g. {SWEEP_EXAMPLE}")
+    axes: list[Axis] = []
+
+    def walk(node: dict[str, Any], prefix: str) -> None:
+        for name, value in node.items():
+            key = f"{prefix}{name}"
+            label = key.rpartition(".")[2]
+            if isinstance(value, dict) and "values" in value:
+                unknown = [k for k in value if k not in ("values", "label")]
+                if unknown:
+                    raise ConfigError(section, key, f"unknown key '{unknown[0]}'; a grid key holds values and label")
+                label, value = value.get("label", label), value["values"]
+                if not isinstance(label, str) or not label.strip():
+                    raise ConfigError(section, key, f"label must be a non-empty string, got {label!r}")
+            elif isinstance(value, dict) and value:  # written unquoted: optim.model.lr = [...]
+                walk(value, f"{key}.")
+                continue
+            if "." not in key:
+                raise ConfigError(section, key, f"must name a recipe key as section.key, e.g. {SWEEP_EXAMPLE}")
+            if key in NOT_SWEPT:
+                raise ConfigError(section, key, f"cannot be swept: {NOT_SWEPT[key]}")
+            if not isinstance(value, list) or not value:
+                raise ConfigError(
+                    section, key, f"must be a non-empty list of values, e.g. {SWEEP_EXAMPLE}; got {value!r}"
+                )
+            shown = [show(v) for v in value]
+            if len(set(shown)) != len(shown):
+                raise ConfigError(section, key, f"values must differ, got {value!r}")
+            same = next((a for a in axes if a.label == label), None)
+            if same is not None:
+                raise ConfigError(
+                    section,
+                    key,
+                    f"its label '{label}' is also {same.key}'s: give each a label, e.g. "
+                    f'{{ values = [...], label = "{key.replace(".", " ")}" }}',
+                )
+            if any(a.key == key for a in axes):
+                raise ConfigError(section, key, "given twice")
+            axes.append(Axis(key, label, value))
+
+    walk(body, "")
+    return axes
+
+
+def show(value: Any) -> str:
+    """A grid value as it appears in a row name: 0.001, 5, true, adam, [64, 64]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value, separators=(", ", " = "), default=str)
+
+
+def rows(spec_sweep: list[Axis], methods: list[MethodConfig]) -> list[Row]:
+    """The table's rows: one per method without a grid, one per grid point otherwise."""
+    found = []
+    for i, method in enumerate(methods):
+        axes = spec_sweep if method.sweep is None else grid(method.sweep, f"method.{i}.sweep")
+        if not axes:
+            found.append(Row(method.name, method.name, method.recipe, method.overrides))
+            continue
+        for values in itertools.product(*(axis.values for axis in axes)):
+            name = " ".join([method.name, *(f"{a.label}={show(v)}" for a, v in zip(axes, values))])
+            point = {a.key: v for a, v in zip(axes, values)}
+            found.append(Row(name, method.name, method.recipe, method.overrides, point))
+    return found
+
+
 def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
-    """Read and validate a spec: its own keys, every method's recipe merged with the spec's
-    [[eval]] tables and overrides (spec, then method, then ``extra_overrides``), and the
-    [[final_eval]] tables, so a typo fails before anything runs. Errors name the file."""
+    """Read and validate a spec: its own keys, every row's recipe (a method's, or one grid point
+    of it) merged with the spec's [[eval]] tables and overrides (spec, method, grid point, then
+    ``extra_overrides``), and the [[final_eval]] tables, so a typo fails before anything runs.
+    Errors name the file (and the grid point)."""
     path = Path(path)
     raw = read(path)
     try:
-        unknown = [k for k in raw if k not in ("compare", "method", "eval", "final_eval")]
+        unknown = [k for k in raw if k not in SECTIONS]
         if unknown:
             raise ConfigError(
-                unknown[0], None, "unknown section; a spec has [compare], [[method]], [[eval]] and [[final_eval]]"
+                unknown[0],
+                None,
+                "unknown section; a spec has [compare], [[method]], [[eval]], [[final_eval]] and [sweep]",
             )
         compare = structure(CompareConfig, raw.get("compare", {}), "compare")
         if compare.table_steps and not compare.curve:
@@ -143,26 +269,62 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
         names = [slug(m.name) for m in methods]
         if len(set(names)) != len(names):
             raise ConfigError("method", "name", f"method names must differ as file names: {names}")
+        table = rows(grid(raw.get("sweep", {}), "sweep"), methods)
+        names = [slug(r.name) for r in table]
+        if len(set(names)) != len(names):
+            twice = next(r.name for r in table if names.count(slug(r.name)) > 1)
+            raise ConfigError("sweep", None, f"two rows would share the file name of '{twice}': {names}")
         evals, final_evals = _tables(raw, "eval"), _tables(raw, "final_eval")
         for i, body in enumerate(final_evals):
             _component(f"final_eval.{i}", body, "evaluators", load())
     except ConfigError as exc:
         exc.file = exc.file or str(path)
         raise
-    recipes, recipe_paths = {}, {}
-    for i, method in enumerate(methods):
-        recipe_path = resolve_recipe(path, method.recipe, f"method.{i}")
+    recipes, recipe_paths, where = {}, {}, {}
+    for row in table:
+        if row.method not in where:
+            index = next(i for i, m in enumerate(methods) if m.name == row.method)
+            where[row.method] = resolve_recipe(path, row.recipe, f"method.{index}")
+        recipe_path = where[row.method]
         merged = read(recipe_path)
         merged["eval"] = [*(merged.get("eval", []) if compare.eval_mode == "append" else []), *evals]
         try:
-            for override in [*compare.overrides, *method.overrides, *extra_overrides]:
+            for override in [*compare.overrides, *row.overrides]:
                 apply_override(merged, override)
+            for key, value in row.point.items():
+                set_value(merged, key, value, f"[sweep] key '{key}'")
+            for override in extra_overrides:
+                apply_override(merged, override)
+            validate(merged, str(recipe_path))
         except ConfigError as exc:
             exc.file = str(recipe_path)
+            if row.point:
+                exc.message = f"{exc.message} (grid point '{row.name}' of {path})"
             raise
-        validate(merged, str(recipe_path))
-        recipes[method.name], recipe_paths[method.name] = merged, recipe_path
-    return Spec(path, compare, methods, recipes, recipe_paths, final_evals)
+        recipes[row.name], recipe_paths[row.name] = merged, recipe_path
+    return Spec(path, compare, table, recipes, recipe_paths, final_evals)
+
+
+def select(spec: Spec, only: list[str]) -> set[str] | None:
+    """The rows ``--only`` names: a row by its name, or every row of a [[method]] by the method's
+    name; None (every row) when ``only`` is empty. A name that is neither is a ConfigError."""
+    if not only:
+        return None
+    chosen: set[str] = set()
+    for name in only:
+        named = {row.name for row in spec.methods if name in (row.name, row.method)}
+        if not named:
+            if spec.sweeps:
+                methods = ", ".join(dict.fromkeys(row.method for row in spec.methods))
+                points = ", ".join(f"'{row.name}'" for row in spec.methods)
+                message = (
+                    f"--only {name!r} is neither a method nor a row of the spec (methods: {methods}; rows: {points})"
+                )
+            else:
+                message = f"--only {name!r} is not a method of the spec ({', '.join(spec.recipes)})"
+            raise ConfigError("method", "name", message, file=str(spec.path))
+        chosen |= named
+    return chosen
 
 
 def resolve_recipe(spec_path: Path, recipe: str, section: str) -> Path:

@@ -1,8 +1,9 @@
 """What a checkpoint holds of a run, and how it is written and put back: every network, each
 role's optimizer, gradient scaler and parameter average (EMA), the estimator's own state, the
-data stream's position, the RNG streams (of every rank under torchrun), the step and the best
-value of [run] select_metric. The trainer trains a ``RunState``; ``eblvm eval`` and ``sample``
-restore one without training."""
+data stream's position, the RNG streams (of every rank under torchrun), the step, and the state
+of model selection and early stopping (the best value of [run] select_metric, its step, and the
+evaluations since). The trainer trains a ``RunState``; ``eblvm eval`` and ``sample`` restore one
+without training."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ class RunState:
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None  # best select_metric value so far
+        self.best_step: int | None = None  # the step of the evaluation that gave it
+        self.stale = 0  # evaluations since the best one (early stopping: [run] patience)
         names = {
             id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
         }
@@ -82,14 +85,16 @@ class RunState:
             "data": self.batches.state_dict(),
             "rng": ckpt.rng_state(),
             "best": self.best,
+            "best_step": self.best_step,
+            "stale": self.stale,
             "recipe": training_part(self.recipe.to_dict()),
         }
 
     def restore(self, state: dict[str, Any], training: bool = True, source: str | Path = "checkpoint") -> None:
         """Load a checkpoint (from ``ckpt.read_checkpoint``): networks, estimator state and EMA
         always; with ``training`` also the optimizers, gradient scalers, data position, RNG
-        streams and best value. A checkpoint that does not fit this run's parts is a
-        CheckpointError naming ``source``.
+        streams and the selection state (best value, its step, evaluations since). A checkpoint
+        that does not fit this run's parts is a CheckpointError naming ``source``.
 
         Each rank takes its own RNG and estimator state (``state["ranks"]``) when the checkpoint
         was written by as many processes; otherwise every rank takes rank 0's estimator state
@@ -124,17 +129,30 @@ class RunState:
         if other_world and self.rank:
             ckpt.seed_everything(distributed.rank_seed(self.recipe.run.seed + self.step, self.rank))
         self.best = state.get("best")
+        self.best_step = state.get("best_step")
+        self.stale = int(state.get("stale", 0))
 
-    def save(self) -> None:
-        """Write checkpoints/last.pt (rank 0, atomically); with W > 1 it gathers every rank's RNG
-        and estimator state into ``state["ranks"]`` (a collective)."""
+    def save(self, last: bool = True, keep: bool = False) -> None:
+        """Write checkpoints/last.pt and, with ``keep``, checkpoints/step-<step>.pt (rank 0,
+        atomically, each sealed with its checksum); with W > 1 it gathers every rank's RNG and
+        estimator state into ``state["ranks"]`` (a collective: every rank calls it)."""
         state = self.state()
         if self.world > 1:
             state["ranks"] = distributed.gather({"rng": state["rng"], "estimator": state["estimator"]})
-        path = ckpt.last_checkpoint(self.run_dir)
-        if self.rank == 0:
-            ckpt.save_atomic(ckpt.seal(state), path)
-        self.last_saved = (self.step, path)
+        sealed = ckpt.seal(state) if self.rank == 0 else None
+        if keep and self.rank == 0:
+            ckpt.save_atomic(sealed, ckpt.kept_checkpoint(self.run_dir, self.step))
+        if last:
+            path = ckpt.last_checkpoint(self.run_dir)
+            if self.rank == 0:
+                ckpt.save_atomic(sealed, path)
+            self.last_saved = (self.step, path)
+
+    def out_of_patience(self) -> bool:
+        """Whether [run] patience evaluations in a row have not improved on the best select_metric
+        (this rank's view: rank 0 alone evaluates)."""
+        patience = self.recipe.run.patience
+        return patience is not None and self.stale >= patience
 
     # ---- EMA ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """The training loop: batches, estimator steps under the run's precision, schedules, EMA,
-logging, evaluation, model selection, checkpoints, the NaN guard and a stop asked by a signal,
-the same for every role; under torchrun the same loop on every rank, rank 0 alone writing and
-evaluating. What a checkpoint holds is ``state.RunState``; a run directory's life (new or
+logging, evaluation, model selection, early stopping, checkpoints (last.pt and those kept every
+[run] keep_every steps), the NaN guard and a stop asked by a signal, the same for every role;
+under torchrun the same loop on every rank, rank 0 alone writing and evaluating. What a checkpoint holds is ``state.RunState``; a run directory's life (new or
 resumed, lock, signals, provenance) is ``session``."""
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Trainer(RunState):
         self.echo = echo
         self.stop_signal: str | None = None  # set by SIGINT/SIGTERM: checkpoint and stop after this step
         self.bar: Any = None  # the tqdm progress bar while fit() shows one (on a terminal)
+        self.stopped_early: str | None = None  # why fit() ended before [run] steps (early stopping)
 
     # ---- logging and evaluation -----------------------------------------------------------
     def record(self, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
@@ -86,7 +87,9 @@ class Trainer(RunState):
         return scalars
 
     def select(self, scalars: dict[str, float]) -> None:
-        """Model selection: save best.pt (atomically) when [run] select_metric improves."""
+        """Model selection: save best.pt (atomically) when [run] select_metric improves on the best
+        so far (strictly); otherwise count one more evaluation without improvement (``stale``,
+        which [run] patience bounds)."""
         run = self.recipe.run
         if run.select_metric is None:
             return
@@ -101,8 +104,24 @@ class Trainer(RunState):
         value = scalars[run.select_metric]
         improved = self.best is None or (value > self.best if run.select_mode == "max" else value < self.best)
         if math.isfinite(value) and improved:
-            self.best = value
+            self.best, self.best_step, self.stale = value, self.step, 0
             ckpt.save_atomic(ckpt.seal(self.state()), ckpt.best_checkpoint(self.run_dir))
+        else:
+            self.stale += 1
+
+    def early_stop(self) -> str | None:
+        """After an evaluation: why the run stops early (a line for the console), or None. Every
+        rank calls it and gets rank 0's answer (a collective under torchrun)."""
+        run = self.recipe.run
+        if run.patience is None or not distributed.any_rank(self.out_of_patience()):
+            return None
+        if self.rank:
+            return "stopped early on rank 0"
+        best = f"{self.best:.6g}" + (f" (step {self.best_step})" if self.best_step is not None else "")
+        return (
+            f"stopped early at step {self.step}/{run.steps}: {run.select_metric} has not improved on {best} "
+            f"in {self.stale} evaluations ([run] patience = {run.patience})"
+        )
 
     def say(self, line: str) -> None:
         """Echo a line (and write it to run.log) without breaking the progress bar."""
@@ -194,10 +213,22 @@ class Trainer(RunState):
         )
 
     def fit(self) -> dict[str, float]:
-        """Train to [run] steps, then evaluate. Log steps record the mean metrics, learning rates,
-        gradient norms and ``speed/steps_per_s`` (training steps per second since the last log
-        step, evaluations and checkpoints excluded) and print a line with an ETA."""
+        """Train to [run] steps, then evaluate; returns the final evaluation. Log steps record the
+        mean metrics, learning rates, gradient norms and ``speed/steps_per_s`` (training steps per
+        second since the last log step, evaluations and checkpoints excluded) and print a line with
+        an ETA. checkpoints/last.pt is written every [run] checkpoint_every steps and at the end,
+        checkpoints/step-<N>.pt at every multiple N of [run] keep_every (a schedule of its own).
+
+        Early stopping ([run] patience): the evaluation that makes ``patience`` in a row without
+        improving on the best select_metric ends the run at its step, as the final evaluation:
+        the steps since the last log step are logged, last.pt is written, a line says why, and
+        ``stopped_early`` holds it."""
         run = self.recipe.run
+        if self.step < run.steps:  # a resumed run that had stopped early: only its final evaluation is left
+            self.stopped_early = self.early_stop()
+            if self.stopped_early is not None:
+                self.say(self.stopped_early)
+                return self.evaluate()
         if self.rank == 0 and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -211,6 +242,39 @@ class Trainer(RunState):
         session_start, first_step = tick, self.step
         loss_ok: Tensor | bool = True
         training_step = self.training_step()
+
+        def check_finite() -> None:
+            """Stop on a non-finite loss since the last check, or a non-finite parameter (every rank)."""
+            if distributed.any_rank(not bool(loss_ok)):
+                raise self._diverged(f"training loss became non-finite after step {self.step - count}")
+            self.check_parameters()
+
+        def log(last: bool) -> None:
+            """Record the means of the steps since the last log step and print a line (with an ETA
+            unless ``last``)."""
+            nonlocal count, tick, paused
+            keys = list(sums)  # means over every rank's shard
+            values = distributed.mean_floats([float(sums[k]) / count for k in keys])
+            means = {f"train/{k}": v for k, v in zip(keys, values)}
+            for role, opt in self.optimizers.items():
+                means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
+                grad_norm = take_mean_grad_norm(opt)
+                if grad_norm is not None:
+                    means[f"train/grad_norm/{role}"] = grad_norm
+            now = time.perf_counter()
+            rate = count / max(now - tick - paused, 1e-9)
+            means["speed/steps_per_s"] = rate
+            self.record(means)
+            if self.bar is None:
+                loss_mean = means.get("train/loss", float("nan"))
+                line = f"step {self.step}/{run.steps}  loss {loss_mean:.5g}  ({rate:.1f} it/s"
+                if not last:  # the ETA counts evaluations and checkpoints too
+                    left = (now - session_start) / (self.step - first_step) * (run.steps - self.step)
+                    line += f", ETA {duration(left)}"
+                self.echo(line + ")")
+            sums.clear()
+            count, tick, paused = 0, now, 0.0
+
         try:
             while self.step < run.steps:
                 self.set_learning_rates()
@@ -241,44 +305,38 @@ class Trainer(RunState):
                         self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
                 log_now = self.step % run.log_every == 0 or self.step == run.steps
                 save_now = self.step % run.checkpoint_every == 0 or self.step == run.steps
-                if log_now or save_now:
-                    if distributed.any_rank(not bool(loss_ok)):
-                        raise self._diverged(f"training loss became non-finite after step {self.step - count}")
-                    self.check_parameters()
+                keep_now = run.keep_every is not None and self.step % run.keep_every == 0
+                if log_now or save_now or keep_now:
+                    check_finite()
                 if log_now:
-                    keys = list(sums)  # means over every rank's shard
-                    values = distributed.mean_floats([float(sums[k]) / count for k in keys])
-                    means = {f"train/{k}": v for k, v in zip(keys, values)}
-                    for role, opt in self.optimizers.items():
-                        means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
-                        grad_norm = take_mean_grad_norm(opt)
-                        if grad_norm is not None:
-                            means[f"train/grad_norm/{role}"] = grad_norm
-                    now = time.perf_counter()
-                    rate = count / max(now - tick - paused, 1e-9)
-                    means["speed/steps_per_s"] = rate
-                    self.record(means)
-                    if self.bar is None:
-                        loss_mean = means.get("train/loss", float("nan"))
-                        line = f"step {self.step}/{run.steps}  loss {loss_mean:.5g}  ({rate:.1f} it/s"
-                        if self.step < run.steps:  # the ETA counts evaluations and checkpoints too
-                            left = (now - session_start) / (self.step - first_step) * (run.steps - self.step)
-                            line += f", ETA {duration(left)}"
-                        self.echo(line + ")")
-                    sums.clear()
-                    count, tick, paused = 0, now, 0.0
+                    log(last=self.step == run.steps)
                 pause = time.perf_counter()
+                stopping = None
                 if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
-                    self.evaluate()
-                if save_now:
-                    self.save()
+                    results = self.evaluate()
+                    stopping = self.early_stop()
+                    if stopping is not None and not log_now:
+                        if not (save_now or keep_now):
+                            check_finite()
+                        paused += time.perf_counter() - pause
+                        pause = time.perf_counter()
+                        log(last=True)
+                if save_now or keep_now or stopping is not None:
+                    self.save(last=save_now or stopping is not None, keep=keep_now)
                 paused += time.perf_counter() - pause
+                if stopping is not None:  # the evaluation at this step is the final one
+                    self.stopped_early = stopping
+                    self.say(stopping)
+                    return results
                 self._stop_if_asked(log_now or save_now, save_now)
         finally:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
-        return self.evaluate()
+        results = self.evaluate()
+        if run.select_metric is not None:
+            self.save()  # last.pt also holds what the final evaluation did to the selection (best, patience)
+        return results
 
 
 def duration(seconds: float) -> str:

@@ -250,35 +250,35 @@ def test_select_metric_must_be_reported(cli, write_recipe, tmp_path):
 
 
 def test_samples_image_layouts():
+    """2-D samples: a scatter with y upwards and a far point drawn in red on the view's right edge,
+    beyond the bounds' red box; images: a grid upscaled until each image is 64 pixels wide."""
     from eblvm_core.evaluate import samples_image
-    from eblvm_core.plot import BOUNDS_COLOUR, LEFT, TOP, framed
+    from eblvm_core.plot import BOUNDS_COLOUR, POINT_COLOUR
 
-    panel = torch.zeros(3, 10, 12)
-    _image, origins = framed([("a", panel), ("b", panel + 1)], ((0.0, 1.0), (0.0, 1.0)))
-    assert torch.equal(_image[:, origins[1][1] : origins[1][1] + 10, origins[1][0] : origins[1][0] + 12], panel + 1)
-    assert origins[0] == (LEFT, TOP)
-
-    def dots(image: Tensor, colour: tuple[float, ...]) -> Tensor:
-        return ((image - torch.tensor(colour)[:, None, None]).abs().max(0).values < 0.02).nonzero()
+    def dots(image: Tensor, colour: tuple[int, ...]) -> Tensor:
+        return ((image - torch.tensor(colour)[:, None, None] / 255).abs().max(0).values < 0.02).nonzero()
 
     box = ((0.0, 1.0), (0.0, 1.0))
     image = samples_image(
         torch.tensor([[0.9, 0.9], [0.1, 0.1], [40.0, 0.5]]),
         DataSplits(train=torch.rand(5, 2), test=torch.rand(5, 2), bounds=box),
     )
-    inside = dots(image, (0.12, 0.24, 0.55))
-    assert len(inside) == 18  # two 3×3 dots: the far point is not among them ...
-    far = dots(image, tuple(c / 255 for c in BOUNDS_COLOUR))
-    outline = far[:, 1].max()  # ... it is drawn in red at the right edge of the view, right of the bounds' red box
-    assert ((far[:, 1] == outline).sum() == 3) and outline > inside[:, 1].max() + 50
-    top_right, bottom_left = (
-        inside[inside[:, 1] > inside[:, 1].float().mean()],
-        inside[inside[:, 1] < inside[:, 1].float().mean()],
-    )
+    assert image.shape[0] == 3 and 0 <= image.min() and image.max() <= 1
+    inside = dots(image, POINT_COLOUR)
+    inside = inside[inside[:, 0] < image.shape[1] - 60]  # the plot, not the legend's marker below it
+    top_right = inside[inside[:, 1] > inside[:, 1].float().mean()]
+    bottom_left = inside[inside[:, 1] < inside[:, 1].float().mean()]
+    assert len(top_right) >= 9 and len(bottom_left) >= 9  # two dots: the far point is not among them ...
     assert top_right[:, 0].max() < bottom_left[:, 0].min()  # y points up
+    red = dots(image, BOUNDS_COLOUR)
+    red = red[red[:, 0] < image.shape[1] - 60]
+    far = red[red[:, 1] == red[:, 1].max()]  # ... it is red, at the right edge, right of the bounds' red box
+    assert red[:, 1].max() > top_right[:, 1].max() + 50 and len(far) < 10
+    assert top_right[:, 0].max() < far[:, 0].float().mean() < bottom_left[:, 0].min()  # at y = 0.5
     faces = DataSplits(train=torch.rand(10, 1, 28, 20), test=torch.rand(2, 1, 28, 20))
     grid = samples_image(torch.rand(16, 1, 28, 20), faces)
-    assert grid.shape == (3, 4 * 28 + 5 * 2, 4 * 20 + 5 * 2) and 0 <= grid.min() and grid.max() <= 1
+    assert grid.shape == (3, 4 * (4 * 28 + 5 * 2), 4 * (4 * 20 + 5 * 2)) and 0 <= grid.min() and grid.max() <= 1
+    assert samples_image(torch.rand(16, 1, 28, 20), faces, scale=1).shape == (3, 4 * 28 + 5 * 2, 4 * 20 + 5 * 2)
 
 
 @pytest.mark.parametrize("estimator", ['kind = "pcd"\nn_chains = 30', 'kind = "nce"', 'kind = "vnce"\ninner_steps = 2'])
@@ -377,7 +377,7 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
         assert f"{mean:.4g} ± {std:.2g}" in row
     assert {p.name for p in (out / "images").iterdir()} == {"CD.png", "PCD.png"}
     width, height = Image.open(out / "figure.png").size
-    assert width >= 640 and height > 360  # the density row above the curve plot
+    assert width >= 2 * 600 and height > 300 + 440  # the two density plots side by side above the curve plot
     assert (out / "recipes" / "CD.toml").is_file() and len(list((out / "logs").iterdir())) == 4
 
 
@@ -524,7 +524,8 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
             "eval/score-loss/test_score_loss_stderr",
         }
         assert records(run_dir)[-1]["checkpoint"] == "best" and records(run_dir)[-1]["step"] == best_step
-    assert Image.open(out / "images" / "DSM.png").size == (8 * 20 + 9 * 2, 8 * 28 + 9 * 2)  # 64 faces
+    # 64 faces, 8 to a row, each pixel 4 × 4 so that a 20-pixel-wide face is 80 pixels wide
+    assert Image.open(out / "images" / "DSM.png").size == (4 * (8 * 20 + 9 * 2), 4 * (8 * 28 + 9 * 2))
     assert (out / "figure.png").is_file() and "| BiDSM N=1 |" in (out / "table.md").read_text()
 
 
@@ -588,8 +589,8 @@ def test_a_copied_spec_finds_its_recipes_from_the_working_directory(cli, tmp_pat
 def test_curve_axis_fits_the_data_and_marks_clipping():
     """A short run entirely below curve_range keeps its later half in view (not flattened onto the
     clip value); earlier excursions are clipped and drawn as triangles; no range fits everything."""
-    from eblvm_core.compare import _curve_plot, curve_axis
-    from eblvm_core.plot import from_pil
+    from eblvm_core.compare import curve_axis
+    from eblvm_core.plot import comparison, render
 
     curves = {"short": [(1, -3.0), (2, -1.5), (3, -1.2), (4, -1.1)], "long": [(1, -0.9), (2, 0.1), (3, 0.2), (4, 0.3)]}
     lo, hi = curve_axis(curves, [-0.6, 0.7])
@@ -605,15 +606,25 @@ def test_curve_axis_fits_the_data_and_marks_clipping():
     many["short"] = curves["long"]
     lo, hi = curve_axis(many, [-0.6, 0.7])
     assert -0.7 < lo <= -0.6 and 0.3 < hi < 0.4
-    image = from_pil(_curve_plot(curves, "eval/x", [-0.6, 0.7]))
+    # drawn: tab:blue is the first method's colour, the short run's
+    fig = comparison([], curves, "eval/x", curve_axis(curves, [-0.6, 0.7]))
+    (ax,) = fig.axes
+    image = render(fig)
+    left, bottom, right, top = ax.get_window_extent().extents
+    bottom, top = image.shape[1] - bottom, image.shape[1] - top  # rows from the top of the image
     blue = ((image * 255 - torch.tensor([31, 119, 180])[:, None, None]).abs().max(0).values < 10).nonzero()
-    rows = blue[blue[:, 1] < 640 - 150][:, 0]  # the plot area, not the legend
+    rows = blue[blue[:, 1] < right][:, 0]  # the plot area, not the legend
     assert rows.max() - rows.min() > 30  # the short run is not a flat line (that spans 2-4 pixels)
-    assert (rows > 360 - 40).sum() > 4  # clipped points: triangles reaching below the frame's bottom edge
+    assert (rows > bottom + 1).sum() > 4  # clipped points: triangles reaching below the frame's bottom edge
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["short", "long"]
+    assert "clipped (triangles on the edge): 2 below the axis" in ax.get_title()
 
-    plain = from_pil(_curve_plot(curves, "eval/x"))
+    fig = comparison([], curves, "eval/x", curve_axis(curves, None))
+    plain = render(fig)
+    bottom = plain.shape[1] - fig.axes[0].get_window_extent().y0
     blue = ((plain * 255 - torch.tensor([31, 119, 180])[:, None, None]).abs().max(0).values < 10).nonzero()
-    assert not (blue[blue[:, 1] < 640 - 150][:, 0] > 360 - 40).any()  # nothing clipped without a range
+    assert not (blue[blue[:, 1] < right][:, 0] > bottom + 1).any()  # nothing clipped without a range
+    assert "clipped" not in fig.axes[0].get_title()
 
 
 @pytest.mark.parametrize("name", ["grbm_cd", "grbm_pcd", "grbm_nce", "grbm_vnce"])

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from eblvm_core.contracts import DataSplits, EnergyModel, EvalResult, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.plot import GAP, LEFT, TOP, colormap
+from eblvm_core.plot import BOUNDS_COLOUR, density_layout
 
 
 def grbm(d: int, m: int, sigma: float, seed: int = 0, weight_std: float = 0.6) -> GRBM:
@@ -122,23 +122,33 @@ def test_density_plot_image_and_grid_mass():
     parts = parts_for(model, data)
     result = build_density_plot(DensityPlotConfig(grid=60, bins=20), parts)(parts)
     image = result.images["density"]
-    assert image.shape[1] > 72 and image.shape[2] > 2 * 72 + GAP  # two 72-pixel panels (60 + 2 × 6 margin)
+    width, height = density_layout(2, 72)[2]  # two panels of 72 cells (60 + 2 × 6 margin)
+    assert image.shape == (3, height, width) and width > 2 * 216 and height > 216  # each cell 3 × 3 pixels
     assert image.min() >= 0 and image.max() <= 1
     assert set(result.scalars) == {"grid_mass"}
     assert result.scalars["grid_mass"] == pytest.approx(1.0, abs=2e-3)
 
 
-def panel(image: Tensor, n: int, i: int = 0) -> Tensor:
-    """The i-th n × n panel of a density figure (plot.framed's layout)."""
-    left = LEFT + i * (n + GAP)
-    return image[:, TOP : TOP + n, left : left + n]
+def panel(image: Tensor, n: int, i: int = 0, centres: bool = True) -> tuple[Tensor, int]:
+    """The i-th panel of a density figure of n × n cells (plot.density_layout), and the side k of
+    a cell in pixels; with ``centres``, one pixel per cell, at its centre: (3, n, n)."""
+    left, top, side, _ = density_layout(2, n)[0][i]
+    k = side // n
+    if centres:
+        return image[:, top + k // 2 : top + side : k, left + k // 2 : left + side : k], k
+    return image[:, top : top + side, left : left + side], k
+
+
+def viridis(value: float) -> Tensor:
+    import matplotlib
+
+    return torch.tensor(matplotlib.colormaps["viridis"](value)[:3], dtype=torch.float32)
 
 
 def test_density_plot_shows_the_data_beyond_its_bounds_on_one_colour_scale():
     """The view reaches margin × width beyond the bounds: data points there appear in the data panel
-    (not dropped); the bounds are a red box; the colour bar runs from 0 (bottom) up."""
-    from eblvm_core.plot import BOUNDS_COLOUR
-
+    (not dropped); the bounds are a red box; the colour bar runs from 0 (bottom) up, with a
+    triangle on top for the data above the model's highest density."""
     model = GRBM(2, 1, init_sigma=0.3).double()
     test = torch.full((100, 2), 0.5, dtype=torch.float64)
     test[:10] = torch.tensor([1.15, 0.5], dtype=torch.float64)  # outside the unit box, inside the 20% margin
@@ -146,19 +156,21 @@ def test_density_plot_shows_the_data_beyond_its_bounds_on_one_colour_scale():
     parts = parts_for(model, data)
     image = build_density_plot(DensityPlotConfig(grid=50, bins=50, margin=0.2), parts)(parts).images["density"]
     n = 70  # 50 cells over the box and 10 beyond it on each side
-    hist = panel(image, n, 1)
-    lit = (hist - colormap(torch.zeros(1, 1))[:, 0, 0, None, None]).abs().sum(0) > 0.1
-    rows, cols = lit.nonzero().T
+    hist, k = panel(image, n, 1)
+    lit = (hist - viridis(0.0)[:, None, None]).abs().sum(0) > 0.1
+    found = {(int(r), int(c)) for r, c in lit.nonzero()}
+    assert found == {(34, 67), (34, 35)}  # x = 1.15 (cell 67) and the centre (cell 35), y = 0.5 (row 34)
+    whole, _ = panel(image, n, 1, centres=False)
     red = torch.tensor(BOUNDS_COLOUR) / 255
-    box = ((hist - red[:, None, None]).abs().max(0).values < 2 / 255).nonzero()
+    box = ((whole - red[:, None, None]).abs().max(0).values < 2 / 255).nonzero() // k
     assert box[:, 1].min() in (9, 10) and box[:, 1].max() in (59, 60)  # the bounds: cells 10..59
-    inside = lit & ~((hist - red[:, None, None]).abs().max(0).values < 2 / 255)
-    found = {(int(r), int(c)) for r, c in inside.nonzero()}
-    assert (34, 67) in found and (34, 35) in found  # x = 1.15 (cell 67) and the centre (cell 35), y = 0.5
-    bar_left = LEFT + 2 * (n + GAP)
-    bar = image[:, TOP : TOP + n, bar_left + 2]
-    assert torch.allclose(bar[:, 0], colormap(torch.ones(1, 1))[:, 0, 0].float(), atol=0.02)  # top: the highest
-    assert torch.allclose(bar[:, -1], colormap(torch.zeros(1, 1))[:, 0, 0].float(), atol=0.02)  # bottom: 0
+    assert box[:, 0].min() in (9, 10) and box[:, 0].max() in (59, 60)
+    left, top, width, height = density_layout(2, n)[1]
+    bar = image[:, top : top + height, left + width // 2]
+    assert torch.allclose(bar[:, -3], viridis(0.0), atol=0.02)  # bottom: 0
+    tip = (bar - viridis(1.0)[:, None]).abs().max(0).values < 0.02
+    assert tip[: height // 10].any() and not tip[height // 2 :].any()  # top: the highest, and above it
+    assert torch.allclose(hist[:, 34, 35], viridis(1.0), atol=0.02)  # the data at the centre, above the scale
 
 
 def test_density_plot_grid_mass_is_the_mass_inside_the_box():
@@ -190,9 +202,11 @@ def test_density_plot_draws_y_upwards():
     )
     parts = parts_for(model, data)
     image = build_density_plot(DensityPlotConfig(grid=20, margin=0.1), parts)(parts).images["density"]
-    brightness = panel(image, 24).sum(0)  # 20 cells over the box, 2 beyond it on each side
+    cells, _ = panel(image, 24)  # 20 cells over the box, 2 beyond it on each side
+    brightness = cells.sum(0)
     row, col = divmod(int(brightness.argmax()), 24)
     assert (row, col) == (2 + 2, 2 + 2)
+    assert torch.allclose(cells[:, 4, 4], viridis(1.0), atol=0.02)  # the peak: the top colour
 
 
 def test_density_plot_omits_grid_mass_without_log_partition():
@@ -201,7 +215,8 @@ def test_density_plot_omits_grid_mass_without_log_partition():
     )
     parts = parts_for(FreeEnergyOnly(), data)
     result = build_density_plot(DensityPlotConfig(grid=16), parts)(parts)
-    assert result.scalars == {} and result.images["density"].shape[2] > 2 * 20 + GAP
+    width, height = density_layout(2, 20)[2]
+    assert result.scalars == {} and result.images["density"].shape == (3, height, width)
 
 
 def test_histogram_is_a_density():
@@ -210,13 +225,6 @@ def test_histogram_is_a_density():
     assert float(hist.sum() / 100) == pytest.approx(1.0, abs=1e-12)
     # sampled at more pixels than bins, each bin is repeated
     assert torch.equal(histogram(points, BOX, bins=10, n=40)[::4, ::4], hist)
-
-
-def test_colormap_range_and_ends():
-    values = torch.linspace(0, 1, 11).reshape(1, 11)
-    rgb = colormap(values)
-    assert rgb.shape == (3, 1, 11) and rgb.min() >= 0 and rgb.max() <= 1
-    assert rgb[:, 0, -1].sum() > rgb[:, 0, 0].sum()  # bright for high density
 
 
 def test_density_plot_refusals():

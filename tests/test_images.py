@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import scipy.io
@@ -122,10 +123,10 @@ def tiny_parts(image_shape: tuple[int, ...] | None) -> Parts:
 @needs_gibbs
 def test_sample_grid_tiles_reproducible_samples_in_unit_range():
     parts = tiny_parts((1, 2, 3))
-    cfg = SampleGridConfig(n=5, nrow=3, padding=2, sampler_options={"burn_in": 3})
+    cfg = SampleGridConfig(n=5, nrow=3, padding=2, scale=1, sampler_options={"burn_in": 3})
     evaluate = build_sample_grid(cfg, parts)
     grid = evaluate(parts).images["samples"]
-    # 3 columns × 2 rows of 2×3 tiles with 2-pixel borders
+    # 3 columns × 2 rows of 2×3 tiles with 2-pixel borders, not upscaled (scale = 1)
     assert grid.shape == (3, 2 * (2 + 2) + 2, 3 * (3 + 2) + 2)
     assert grid.min() >= 0 and grid.max() <= 1
     assert torch.equal(grid, evaluate(parts).images["samples"])  # fixed seed: the same image every time
@@ -136,6 +137,9 @@ def test_sample_grid_tiles_reproducible_samples_in_unit_range():
     assert torch.allclose(grid[:, 2:4, 2:5], samples[0].reshape(2, 3).expand(3, 2, 3))  # the first tile
     assert torch.allclose(grid[:, 6:8, 7:10], samples[4].reshape(2, 3).expand(3, 2, 3))  # row 2, column 2
     assert (grid[:, :2] == 1).all()  # white border
+    # by default each pixel is repeated 32 × 32 times: the 2-pixel-high tiles become 64 pixels high
+    upscaled = build_sample_grid(attrs.evolve(cfg, scale=0), parts)(parts).images["samples"]
+    assert torch.equal(upscaled, grid.repeat_interleave(32, 1).repeat_interleave(32, 2))
 
 
 @needs_gibbs

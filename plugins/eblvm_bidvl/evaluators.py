@@ -13,6 +13,7 @@ from torch import Tensor
 from eblvm_core.config import option, positive, structure
 from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, reporting
 from eblvm_core.errors import ConfigError
+from eblvm_core.plot import image_grid
 from eblvm_core.plugins import registry
 from eblvm_core.registry import NoConfig
 
@@ -83,11 +84,9 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
         rmse = math.sqrt(total / (n * parts.data.dim))
         images = {}
         if shown is not None:
-            from torchvision.utils import make_grid
-
             low, high = parts.data.bounds[0] if parts.data.bounds else (0.0, 1.0)
             pairs = torch.stack(shown, 1).flatten(0, 1).float().cpu()  # original, reconstruction, original, ...
-            images["reconstructions"] = make_grid(((pairs - low) / (high - low)).clamp(0, 1), nrow=16, pad_value=1.0)
+            images["reconstructions"] = image_grid(((pairs - low) / (high - low)).clamp(0, 1), nrow=16)
         return EvalResult(scalars={f"{cfg.split}_rmse": rmse}, images=images)
 
     return evaluate

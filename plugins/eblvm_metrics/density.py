@@ -12,12 +12,16 @@ from torch import Tensor
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
-from eblvm_core.plot import colormap, framed
+from eblvm_core.plot import densities, render
 
 
 @attrs.frozen
 class DensityPlotConfig:
-    grid: int = option(200, "grid points per axis for the model density (and the image's side in pixels)", positive)
+    grid: int = option(
+        200,
+        "grid points per axis for the model density (a pixel each; small grids are upscaled to ~200 pixels)",
+        positive,
+    )
     bins: int = option(50, "histogram bins per axis for the data panel", positive)
     split: Literal["test", "train", "val"] = option("test", "data split drawn in the histogram")
     chunk: int = option(10000, "grid points per free-energy evaluation", positive)
@@ -26,12 +30,6 @@ class DensityPlotConfig:
         "view beyond the data's bounds on each side, as a fraction of their width (the bounds are a red box)",
         non_negative,
     )
-
-
-def to_image(density: Tensor, high: float) -> Tensor:
-    """A density on the grid (n_x, n_y), x along dim 0 -> (3, n_y, n_x) coloured from 0 to ``high``
-    (above: the top colour), y upwards."""
-    return colormap((density / high).T.flip(0))
 
 
 def grid_centres(bounds: tuple[tuple[float, float], ...], n: int, like: Tensor) -> tuple[Tensor, float]:
@@ -106,15 +104,9 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
             density = torch.softmax(log_p, 0).reshape(n, n) / area
             hist = histogram(data.tensor(cfg.split), view, bins, n)
             high = max(float(density.max()), torch.finfo(density.dtype).tiny)  # data above it: the top colour
-            image, _ = framed(
-                [
-                    ("model density", to_image(density, high).float().cpu()),
-                    (f"data ({cfg.split})", to_image(hist, high).float().cpu()),
-                ],
-                view,
-                data.bounds,
-                colour_range=(0.0, high),
+            figure = densities(
+                [("model density", density), (f"data ({cfg.split})", hist)], view, data.bounds, high, "density"
             )
-        return EvalResult(scalars=scalars, images={"density": image})
+        return EvalResult(scalars=scalars, images={"density": render(figure)})
 
     return evaluate

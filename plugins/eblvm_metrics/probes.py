@@ -12,20 +12,7 @@ from torch import Tensor
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import EvalResult, Parts, reporting
 from eblvm_core.errors import ConfigError
-
-# ten distinguishable colours (matplotlib's tab10), one per class
-PALETTE_10 = (
-    (0.12, 0.47, 0.71),
-    (1.0, 0.5, 0.05),
-    (0.17, 0.63, 0.17),
-    (0.84, 0.15, 0.16),
-    (0.58, 0.4, 0.74),
-    (0.55, 0.34, 0.29),
-    (0.89, 0.47, 0.76),
-    (0.5, 0.5, 0.5),
-    (0.74, 0.74, 0.13),
-    (0.09, 0.75, 0.81),
-)
+from eblvm_core.plot import embedding, render
 
 
 def posterior_means(parts: Parts, split: str, n: int, batch_size: int) -> Tensor:
@@ -96,11 +83,11 @@ class EmbeddingConfig:
     split: Literal["test", "train", "val"] = option("test", "the split whose posterior means are drawn")
     n: int = option(2000, "points drawn", positive)
     method: Literal["pca", "tsne"] = option("pca", "PCA (fast) or t-SNE (scikit-learn; the papers' Fig. 6, slow)")
-    size: int = option(320, "side of the image in pixels", positive)
+    size: int = option(480, "height of the image in pixels (the class legend adds to its width)", positive)
 
 
 def build_posterior_embedding(cfg: EmbeddingConfig, parts: Parts):
-    """Posterior means E_q[h | v] embedded in 2-D (PCA or t-SNE), one colour per class."""
+    """Posterior means E_q[h | v] embedded in 2-D (PCA or t-SNE), one colour per class, with axes and a class legend."""
     _needs_labels_and_posterior(parts, (cfg.split,))
 
     @reporting([])
@@ -114,18 +101,14 @@ def build_posterior_embedding(cfg: EmbeddingConfig, parts: Parts):
             from sklearn.manifold import TSNE
 
             points = torch.from_numpy(TSNE(2, init="pca", random_state=0).fit_transform(means.numpy())).float()
-        return EvalResult(images={"embedding": scatter(points, parts.data.labels[cfg.split][:n], cfg.size)})
+        name = {"pca": "PCA", "tsne": "t-SNE"}[cfg.method]
+        figure = embedding(
+            points,
+            parts.data.labels[cfg.split][:n],
+            rf"posterior means $E_q[h\,|\,v]$ of {n} {cfg.split} examples",
+            name,
+            cfg.size,
+        )
+        return EvalResult(images={"embedding": render(figure)})
 
     return evaluate
-
-
-def scatter(points: Tensor, labels: Tensor, size: int) -> Tensor:
-    """Points (n, 2) as 3×3-pixel dots coloured by label (10 colours) on white: (3, size, size)."""
-    lo, hi = points.min(0).values, points.max(0).values
-    pix = ((points - lo) / (hi - lo).clamp_min(1e-12) * (size - 5) + 2).round().long()
-    image = torch.ones(3, size, size)
-    colours = torch.tensor(PALETTE_10, dtype=torch.float32)[labels % len(PALETTE_10)]  # (n, 3)
-    for dx in (-1, 0, 1):
-        for dy in (-1, 0, 1):
-            image[:, size - 1 - (pix[:, 1] + dy), pix[:, 0] + dx] = colours.T
-    return image
