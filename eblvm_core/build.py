@@ -268,18 +268,22 @@ def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:
         raise
 
 
-def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
-    """``eblvm validate``: build a recipe (or every method of a comparison spec) on the CPU
-    without training or writing; returns the warnings. Raises what ``run`` would raise before
-    its first step. Without ``check_data`` data sets may stand in for absent files."""
+def resolved_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Recipe]:
+    """The recipe a file resolves to (includes merged, overrides applied, defaults filled in), or
+    for a comparison spec each row's, by row name (the file's name for a plain recipe)."""
     raw = read(path)
     if is_spec(raw):
         spec = load_spec(path, overrides)
-        recipes = [validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods]
-    else:
-        recipes = [load_recipe(path, overrides)]
+        return {m.name: validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods}
+    return {str(path): load_recipe(path, overrides)}
+
+
+def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
+    """``eblvm validate``: build a recipe (or every row of a comparison spec) on the CPU
+    without training or writing; returns the warnings. Raises what ``run`` would raise before
+    its first step. Without ``check_data`` data sets may stand in for absent files."""
     warnings: list[str] = []
-    for recipe in recipes:
+    for recipe in resolved_recipes(path, overrides).values():
         check_loggers(recipe)
         with torch.random.fork_rng(devices=[]):
             ckpt.seed_everything(recipe.run.seed or 0)

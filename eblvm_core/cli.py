@@ -128,20 +128,29 @@ def validate(
         "--check-data",
         help="also require the data files (by default a data set whose files are absent is replaced by a stand-in, with a warning)",
     ),
+    show: bool = typer.Option(
+        False, "--show", help="print the resolved recipe (includes merged, overrides applied, every default) as TOML"
+    ),
 ) -> None:
     """Dry-run recipes: build every part at recipe size without training, downloading or writing.
 
     Whatever `eblvm run` would reject before its first step is rejected here, with the same
     one-line error and exit code 2. Comparison specs ([compare] and [[method]]) are checked
-    method by method.
+    row by row. With --show, each resolved recipe is printed as `eblvm run` would write it into
+    the run directory's recipe.toml.
     """
-    from eblvm_core.build import dry_run
+    from eblvm_core.build import dry_run, resolved_recipes
 
     bad = 0
     for path in recipes:
         try:
             for warning in dry_run(path, override, check_data):
                 typer.echo(f"warning: {path}: {warning}", err=True)
+            if show:
+                import tomli_w
+
+                for name, recipe in resolved_recipes(path, override).items():
+                    typer.echo(f"# {name}\n{tomli_w.dumps(recipe.to_dict())}")
             typer.echo(f"ok: {path}")
         except EblvmError as exc:
             typer.echo(f"error: {exc}", err=True)

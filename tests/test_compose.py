@@ -305,3 +305,14 @@ def test_recipe_data_with_include_is_refused_by_name():
 
     with pytest.raises(ConfigError, match=r"<data>: include: is resolved when a recipe file is read"):
         validate({"include": ["base.toml"]}, "<data>")
+
+
+def test_validate_show_prints_the_recipe_a_run_would_write(cli, chain, tmp_path):
+    """`validate --show` prints the merged recipe with the overrides and every default, the same
+    TOML a run writes into its recipe.toml."""
+    result = cli(["validate", chain, "--show", "-o", "run.steps=7"])
+    assert result.exit_code == 0, result.output
+    shown = result.output.split("\n", 1)[1].rsplit("ok: ", 1)[0]
+    (tmp_path / "shown.toml").write_text(shown)
+    assert load_recipe(tmp_path / "shown.toml").to_dict() == load_recipe(chain, ["run.steps=7"]).to_dict()
+    assert "include" not in shown and "steps = 7" in shown
