@@ -71,7 +71,7 @@ def test_gaussian_kl_matches_torch():
 
 def test_the_encoders_variance_stays_below_one():
     parts = tiny_parts()
-    encoder = parts.posterior
+    encoder = make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3, bounded_variance=True).double()
     with torch.no_grad():
         encoder.head.bias[3:] = torch.tensor([-50.0, 0.0, 50.0], dtype=F64)  # raw log-variances far apart
     _, log_std = encoder.params(batch(parts))
@@ -232,3 +232,61 @@ def test_bidvl_refuses_mismatched_parts():
     other = parts.evolve(generator=make("generators", "bidvl-generator", parts, base=4, latent_dim=5))
     with pytest.raises(ConfigError, match="must equal the encoder's"):
         make("estimators", "bidvl", other)
+
+
+def test_init_std_draws_every_conv_weight_from_the_released_codes_normal():
+    """init_std = 0.02 on the energy (the spectral norm's original weight), the encoder (its convs
+    and head) and the generator: each drawn weight set has standard deviation ≈ 0.02 and mean ≈ 0;
+    without it torch's default (uniform, fan-in scaled) stays."""
+    parts = tiny_parts()
+    nets = {
+        "energy": make("models", "bidvl-energy", parts, base=16, init_std=0.02),
+        "encoder": make("posteriors", "gaussian-dcgan", parts, base=16, latent_dim=8, init_std=0.02),
+        "generator": make("generators", "bidvl-generator", parts, base=16, latent_dim=8, init_std=0.02),
+    }
+    for name, net in nets.items():
+        weights = [
+            p
+            for n, p in net.named_parameters()
+            if n.endswith("weight.original") or (n.endswith("weight") and p.dim() > 1)
+        ]
+        values = torch.cat([w.detach().flatten() for w in weights])
+        assert len(weights) >= 3 and values.numel() > 5000, name
+        assert abs(values.std().item() - 0.02) < 0.002 and abs(values.mean().item()) < 0.002, name
+    default = make("generators", "bidvl-generator", parts, base=16, latent_dim=8)
+    first = next(p for n, p in default.named_parameters() if p.dim() == 4)
+    assert abs(first.detach().std().item() - 0.02) > 0.005  # torch's default is not the released code's
+
+
+def test_the_conv_energy_has_no_activation_between_its_4x4_conv_and_the_1x1_head():
+    layers = list(tiny_parts().model.net)
+    at = next(
+        i
+        for i, m in enumerate(layers)
+        if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (4, 4) and m.stride == (1, 1)
+    )
+    assert isinstance(layers[at + 1], torch.nn.Conv2d) and layers[at + 1].kernel_size == (1, 1)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_shared_prior_gives_both_levels_one_z(shared, monkeypatch):
+    """With shared_prior the upper step and the lower step of one update see the same z ~ p(h)
+    (the released code); without it each draws its own."""
+    parts = tiny_parts(order="upper-first", shared_prior=shared)
+    est = parts.estimator
+    seen = []
+    real_generator = est.generator.forward
+
+    def spy(h):
+        seen.append(h.detach().clone())
+        return real_generator(h)
+
+    monkeypatch.setattr(est.generator, "forward", spy)
+    draws = []
+    real_prior = est.prior
+    monkeypatch.setattr(est, "prior", lambda n, like: draws.append(real_prior(n, like)) or draws[-1])
+    est.step(batch(parts))
+    assert len(draws) == (1 if shared else 2)
+    generated_from = [z for z in seen if any(torch.equal(z, d) for d in draws)]
+    assert len(generated_from) >= 2  # the upper step's samples and the lower step's
+    assert (len({id(d) for d in draws}) == 1) == shared

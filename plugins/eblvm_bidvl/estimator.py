@@ -64,6 +64,11 @@ class BiDVLConfig:
     order: Literal["lower-first", "upper-first"] = option(
         "lower-first", "lower-first: Algorithm 1; upper-first: the released code"
     )
+    shared_prior: bool = option(
+        False,
+        "the upper step and the lower steps of one update use the same z ~ p(h) (the released code); "
+        "false: each draws its own",
+    )
 
 
 class BiDVL(Estimator):
@@ -114,10 +119,11 @@ class BiDVL(Estimator):
             for p in frozen:
                 p.requires_grad_(True)
 
-    def lower_step(self, v: Tensor) -> dict[str, Tensor]:
-        """One lower-level step: the encoder and the generator on Eq. 13 (Eq. 11 when not offset)."""
+    def lower_step(self, v: Tensor, z: Tensor | None = None) -> dict[str, Tensor]:
+        """One lower-level step: the encoder and the generator on Eq. 13 (Eq. 11 when not offset);
+        ``z`` (B, m) ~ p(h) for the generator's terms, drawn here when None."""
         vae, error = self.vae_loss(v)
-        z = self.prior(len(v), v)
+        z = self.prior(len(v), v) if z is None else z
         generated = self.generator(z)
         latent = self.latent_reconstruction(z, through_encoder=self.cfg.upper == "not-offset")
         lower = vae.mean() + self.energy.energy(generated).mean() + latent.mean()
@@ -135,9 +141,10 @@ class BiDVL(Estimator):
             "latent_reconstruction": latent.mean().detach(),
         }
 
-    def upper_step(self, v: Tensor) -> dict[str, Tensor]:
-        """One upper-level step on E_ψ (and, not offset, on the encoder)."""
-        z = self.prior(len(v), v)
+    def upper_step(self, v: Tensor, z: Tensor | None = None) -> dict[str, Tensor]:
+        """One upper-level step on E_ψ (and, not offset, on the encoder); ``z`` (B, m) ~ p(h) for
+        the generated samples, drawn here when None."""
+        z = self.prior(len(v), v) if z is None else z
         with torch.no_grad():
             generated = self.generator(z)
         e_data, e_gen = self.energy.energy(v), self.energy.energy(generated)
@@ -161,12 +168,13 @@ class BiDVL(Estimator):
     def step(self, batch: Tensor) -> dict[str, Tensor]:
         """batch (B, C, H, W) in the data's range -> metrics; N lower steps and one upper step, in the configured order."""
         metrics: dict[str, Tensor] = {}
+        z = self.prior(len(batch), batch) if self.cfg.shared_prior else None
         if self.cfg.order == "upper-first":
-            metrics.update(self.upper_step(batch))
+            metrics.update(self.upper_step(batch, z))
         for _ in range(self.cfg.lower_steps):
-            metrics.update(self.lower_step(batch))
+            metrics.update(self.lower_step(batch, z))
         if self.cfg.order == "lower-first":
-            metrics.update(self.upper_step(batch))
+            metrics.update(self.upper_step(batch, z))
         return metrics
 
 

@@ -32,10 +32,21 @@ def output_activation(name: str, x: Tensor) -> Tensor:
     return {"softplus": F.softplus, "identity": lambda t: t}[name](x)
 
 
+def normal_init_(net: nn.Module, std: float | None) -> nn.Module:
+    """Draw every conv and transposed-conv weight (the original of a spectrally normalised one)
+    from N(0, std²), as BiDVL's released code does with std = 0.02; None keeps torch's default."""
+    for m in net.modules() if std is not None else ():
+        if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
+            weight = m.parametrizations.weight.original if hasattr(m, "parametrizations") else m.weight
+            nn.init.normal_(weight, 0.0, std)
+    return net
+
+
 class ConvEnergy(EnergyModel):
     """E_ψ(v): pairs of spectrally normalised convs (3×3, then 4×4 stride 2), LeakyReLU 0.1, doubling
-    the channels down to 4×4, a 4×4 conv to 1×1, two 1×1 convs to a scalar, then softplus (or
-    none): v (B, C, H, W) -> (B,). Fully visible: F(v) = E(v)."""
+    the channels down to 4×4, a 3×3 conv, a 4×4 conv to 1×1, a 1×1 conv with LeakyReLU and one to
+    a scalar (the released code has no activation between the 4×4 and the first 1×1 conv), then
+    softplus (or none): v (B, C, H, W) -> (B,). Fully visible: F(v) = E(v)."""
 
     def __init__(self, channels: int, side: int, base: int, activation: str):
         super().__init__()
@@ -53,7 +64,6 @@ class ConvEnergy(EnergyModel):
             spectral_norm(nn.Conv2d(c_in, c, 3, 1, 1)),
             nn.LeakyReLU(0.1),
             spectral_norm(nn.Conv2d(c, c, 4, 1, 0)),
-            nn.LeakyReLU(0.1),
             spectral_norm(nn.Conv2d(c, c, 1)),
             nn.LeakyReLU(0.1),
             spectral_norm(nn.Conv2d(c, 1, 1)),
@@ -121,12 +131,16 @@ class EnergyConfig:
     activation: Literal["softplus", "identity"] = option(
         "softplus", "applied to the net's output: softplus keeps E > 0 (the released code), identity leaves it free"
     )
+    init_std: float | None = option(
+        None, "conv weights drawn from N(0, init_std²) (the released code: 0.02); None: torch's default", positive
+    )
 
 
 def build_energy(cfg: EnergyConfig, parts: Parts) -> EnergyModel:
     """BiDVL's marginal energy E_ψ(v) on images: a spectrally normalised conv net, or an SNGAN-style ResNet."""
     channels, side = square_side(parts, "model")
-    return (ConvEnergy if cfg.architecture == "conv" else ResNetEnergy)(channels, side, cfg.base, cfg.activation)
+    net = (ConvEnergy if cfg.architecture == "conv" else ResNetEnergy)(channels, side, cfg.base, cfg.activation)
+    return normal_init_(net, cfg.init_std)
 
 
 class DCGANGenerator(nn.Module):
@@ -195,6 +209,9 @@ class GeneratorConfig:
     output: Literal["auto", "tanh", "sigmoid", "identity"] = option(
         "auto", "output activation; auto: tanh for data in [−1, 1], sigmoid for [0, 1]"
     )
+    init_std: float | None = option(
+        None, "conv weights drawn from N(0, init_std²) (the released code: 0.02); None: torch's default", positive
+    )
 
 
 def build_generator(cfg: GeneratorConfig, parts: Parts) -> nn.Module:
@@ -205,4 +222,4 @@ def build_generator(cfg: GeneratorConfig, parts: Parts) -> nn.Module:
         low = parts.data.bounds[0][0] if parts.data.bounds else 0.0
         output = "tanh" if low < 0 else "sigmoid"
     cls = DCGANGenerator if cfg.architecture == "dcgan" else ResNetGenerator
-    return cls(cfg.latent_dim, channels, side, cfg.base, output)
+    return normal_init_(cls(cfg.latent_dim, channels, side, cfg.base, output), cfg.init_std)

@@ -348,9 +348,16 @@ class GaussianDCGANConfig:
     base: int = option(
         48, "channels of the first conv (doubled at each stride-2 conv; BiDVL's released code: 48)", positive
     )
-    bounded_variance: bool = option(True, "log σ² = −softplus(·): variances below 1 (BiDVL's encoder)")
+    bounded_variance: bool = option(
+        False, "log σ² = −softplus(·): variances below 1 (BiDVL's ResNet encoder, appendix B; not its conv one)"
+    )
     latent_dim: int | None = option(
         None, "m; default the model's latent dimension (required with a fully visible model)", positive
+    )
+    init_std: float | None = option(
+        None,
+        "conv and head weights drawn from N(0, init_std²) (BiDVL's released code: 0.02); None: torch's default",
+        positive,
     )
 
 
@@ -371,7 +378,11 @@ def build_gaussian_dcgan(cfg: GaussianDCGANConfig, parts: Parts) -> GaussianPost
         layers += [nn.Conv2d(c, 2 * c, 4, 2, 1, bias=False), nn.BatchNorm2d(2 * c), nn.LeakyReLU(0.2)]
         c, side = 2 * c, side // 2
     trunk = nn.Sequential(*layers, nn.Flatten())
-    return GaussianPosterior(trunk, c * 16, m, cfg.bounded_variance)
+    posterior = GaussianPosterior(trunk, c * 16, m, cfg.bounded_variance)
+    for module in posterior.modules() if cfg.init_std is not None else ():
+        if isinstance(module, (nn.Conv2d, nn.Linear)):  # the head is the released code's 4×4 convs
+            nn.init.normal_(module.weight, 0.0, cfg.init_std)
+    return posterior
 
 
 @hookimpl
