@@ -4,7 +4,7 @@ from eblvm_core.hookspecs import hookimpl
 from eblvm_metrics.density import DensityPlotConfig, build_density_plot
 from eblvm_metrics.fid import FIDConfig, build_fid
 from eblvm_metrics.probes import EmbeddingConfig, SVMProbeConfig, build_posterior_embedding, build_svm_probe
-from eblvm_metrics.samples import SampleGridConfig, build_sample_grid
+from eblvm_metrics.samples import SampleClassesConfig, SampleGridConfig, build_sample_classes, build_sample_grid
 
 __all__ = ["DensityPlotConfig", "SampleGridConfig", "build_density_plot", "build_sample_grid"]
 
@@ -13,6 +13,7 @@ __all__ = ["DensityPlotConfig", "SampleGridConfig", "build_density_plot", "build
 def register_evaluators(register):
     register("density-plot", build_density_plot, DensityPlotConfig)
     register("sample-grid", build_sample_grid, SampleGridConfig)
+    register("sample-classes", build_sample_classes, SampleClassesConfig)
     register("fid", build_fid, FIDConfig)
     register("svm-probe", build_svm_probe, SVMProbeConfig)
     register("posterior-embedding", build_posterior_embedding, EmbeddingConfig)
