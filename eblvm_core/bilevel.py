@@ -16,6 +16,7 @@ import torch.nn.utils.parametrize
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from eblvm_core.contracts import Conditioned, EnergyModel
 from eblvm_core.optim import apply_update
 
 
@@ -241,15 +242,47 @@ def neumann(
     return step * total, SolveInfo(k, size)
 
 
+def condition_on(model: EnergyModel | Conditioned, x: Tensor, graph: bool = True) -> EnergyModel | Conditioned:
+    """The energy to evaluate at the points x for many h at the current θ: what the lower
+    level's divergence receives as its ``model``.
+
+    - ``model`` conditioned on x already: itself, or with ``graph=False`` its detached copy.
+    - a model with ``has_conditioning``: ``model.condition(x)``, its features of x computed now,
+      once: with their graph to θ (and to x if x requires grad) when ``graph``, else under
+      ``no_grad`` (for steps that give θ no gradient: no graph is recorded or kept).
+    - any other model (the GRBM, third-party models): the model itself, evaluated in full at
+      every call as it always was.
+    """
+    if isinstance(model, Conditioned):
+        if model.conditions(x):
+            return model if graph else model.detach()
+        model = model.model
+    if not getattr(model, "has_conditioning", False):
+        return model
+    if graph:
+        return model.condition(x)
+    with torch.no_grad():
+        return model.condition(x)
+
+
 def fit_posterior(
-    divergence: Any, model: nn.Module, posterior: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, steps: int
+    divergence: Any,
+    model: EnergyModel | Conditioned,
+    posterior: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: Tensor,
+    steps: int,
 ) -> dict[str, float]:
     """``steps`` real updates of φ on the lower level G = mean D(q(h|x) ‖ p(h|x)); θ is not touched.
 
-    Returns the last ``lower_loss`` as a 0-d tensor (empty when steps = 0).
+    The divergence gets ``condition_on(model, x, graph=False)``: a model that conditions has its
+    features of x computed once for all the steps, outside the graph (θ gets no gradient here);
+    ``model`` may be such a Conditioned on x already (its detached copy is used). Returns the
+    last ``lower_loss`` as a 0-d tensor (empty when steps = 0).
     """
     lower = None
+    energy = condition_on(model, x, graph=False) if steps else model
     for _ in range(steps):
-        lower = divergence(model, posterior, x).mean()
+        lower = divergence(energy, posterior, x).mean()
         apply_update(optimizer, lower)
     return {} if lower is None else {"lower_loss": lower.detach()}

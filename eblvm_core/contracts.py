@@ -33,9 +33,16 @@ class EnergyModel(nn.Module):
     """An energy-based (latent variable) model p(v, h; θ) = exp(-E(v, h; θ)) / Z(θ).
 
     Subclasses set ``latent`` (None for fully visible models, whose ``energy`` ignores h) and
-    implement ``energy``.
-    Models where h can be summed out also implement ``free_energy``; that unlocks the
-    exact marginal score, exact-score baselines and exact likelihoods.
+    implement ``energy``. Optional capabilities, declared by overriding the method (the
+    ``has_*`` properties say which a model has):
+
+    - ``free_energy`` where h can be summed out: the exact marginal score, exact-score
+      baselines and exact likelihoods.
+    - ``condition`` where E(v, h) computes something expensive from v alone (the deep EBLVM's
+      features f(v) in E = g(f(v), h)): estimators that evaluate E at one batch v for many h at
+      fixed θ (BiSM's K real and N unrolled lower-level steps and its upper level, VaGES's
+      lower level and Langevin steps on h) then compute it once per update instead of once per
+      evaluation. Models without it are evaluated through ``energy`` as before.
     """
 
     latent: LatentSpec | None = None
@@ -48,9 +55,97 @@ class EnergyModel(nn.Module):
         """F(v; θ) = -log Σ_h exp(-E(v, h)): v (B, *event_shape) -> (B,). Optional."""
         raise NotImplementedError(f"{type(self).__name__} has no tractable free energy")
 
+    def condition(self, v: Tensor) -> Conditioned:
+        """E(v, ·; θ) at this batch v (B, *event_shape): a ``Conditioned`` whose call maps h
+        (..., B, m) -> (..., B) and equals ``energy(v, h)`` (up to rounding), computing what
+        depends on v alone now, once, with the graph autograd records here (call it under
+        ``torch.no_grad()`` where θ and v need no gradient through it). Optional.
+
+        A model that offers it returns ``Conditioned(self, v, cache, evaluate)`` with
+        ``cache`` (a tensor or a tuple of tensors) computed from v and θ, and ``evaluate(cache,
+        h)`` the rest of the energy, broadcasting over h's leading dimensions; ``energy(v, h)``
+        should be ``evaluate(<cache of v>, h)``, the same operations. The default caches
+        nothing: every evaluation is ``energy(v, h)``.
+        """
+        return Conditioned(self, v)
+
     @property
     def has_free_energy(self) -> bool:
         return type(self).free_energy is not EnergyModel.free_energy
+
+    @property
+    def has_conditioning(self) -> bool:
+        return type(self).condition is not EnergyModel.condition
+
+
+class Conditioned:
+    """The energy of ``model`` at one batch ``v``: h ↦ E(v, h; θ), made by ``model.condition(v)``.
+
+    ``conditioned(h)`` maps h (..., B, m) -> (..., B) from the cache of v. It also stands in for
+    the model wherever the model is evaluated at these points, e.g. as a ``Divergence``'s
+    ``model`` argument: ``energy(x, h)`` reuses the cache when ``x`` is ``v`` itself (the same
+    tensor object, not modified in place since) and is the model's full ``energy(x, h)`` for any
+    other tensor; every other attribute (``latent``, ``free_energy``, ``parameters()``...) is the
+    model's, and ``model`` is the model itself. The cache is a function of θ and v fixed when it
+    was computed: a Conditioned is valid until θ changes, so it lives for one update.
+    """
+
+    __slots__ = ("model", "v", "cache", "_evaluate", "_version")
+
+    def __init__(
+        self,
+        model: EnergyModel,
+        v: Tensor,
+        cache: Any = None,
+        evaluate: Callable[[Any, Tensor], Tensor] | None = None,
+    ):
+        self.model, self.v, self.cache, self._evaluate = model, v, cache, evaluate
+        self._version = v._version
+
+    def __call__(self, h: Tensor) -> Tensor:
+        """E(v, h): h (..., B, m) -> (..., B)."""
+        if self._evaluate is not None:
+            return self._evaluate(self.cache, h)
+        if h.dim() == 2:
+            return self.model.energy(self.v, h)
+        lead, (b, m) = h.shape[:-2], h.shape[-2:]
+        k = math.prod(lead)
+        v = self.v.unsqueeze(0).expand(k, *self.v.shape).reshape(k * b, *self.v.shape[1:])
+        return self.model.energy(v, h.reshape(k * b, m)).view(*lead, b)
+
+    def conditions(self, x: Tensor) -> bool:
+        """Whether ``x`` is the batch this energy is conditioned on (the same, unmodified tensor)."""
+        return x is self.v and x._version == self._version
+
+    def energy(self, x: Tensor, h: Tensor) -> Tensor:
+        """E(x, h), the model's ``energy`` contract: from the cache when x is v, else in full."""
+        return self(h) if self.conditions(x) else self.model.energy(x, h)
+
+    def detach(self) -> Conditioned:
+        """The same energy with the cache cut from the graph: θ (and v) get no gradient through it."""
+        cache = self.cache
+        if isinstance(cache, Tensor):
+            cache = cache.detach()
+        elif isinstance(cache, tuple):
+            cache = tuple(c.detach() if isinstance(c, Tensor) else c for c in cache)
+        other = Conditioned(self.model, self.v, cache, self._evaluate)
+        other._version = self._version
+        return other
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in Conditioned.__slots__:
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def energies(model: EnergyModel | Conditioned, v: Tensor, h: Tensor) -> Tensor:
+    """E(v, h_i) for samples h (k, B, m): -> (k, B). From the cache when ``model`` is conditioned
+    on v; otherwise the samples are flattened into one batch of k·B through ``model.energy``."""
+    if isinstance(model, Conditioned) and model.conditions(v):
+        return model(h)
+    k, b = h.shape[:2]
+    vk = v if k == 1 else v.unsqueeze(0).expand(k, *v.shape).reshape(k * b, *v.shape[1:])
+    return model.energy(vk, h.reshape(k * b, -1)).view(k, b)
 
 
 def exact_score(model: EnergyModel, v: Tensor, create_graph: bool = True) -> Tensor:
@@ -130,12 +225,15 @@ class Divergence:
     """A lower-level divergence D(q(h|v) ‖ p(h|v)), per sample, up to a constant in φ.
 
     It may use only the model's energy and the posterior, never p(h|v) itself.
-    ``requires_continuous_latent`` marks divergences that differentiate in h.
+    ``requires_continuous_latent`` marks divergences that differentiate in h. Estimators may
+    pass, as ``model``, a ``Conditioned`` energy at the points v (``model.condition(v)``), which
+    evaluates ``energy(v, h)`` from features of v computed once: call it with v as received
+    (``energies(model, v, h)`` for k samples).
     """
 
     requires_continuous_latent: bool = False
 
-    def __call__(self, model: EnergyModel, posterior: Posterior, v: Tensor) -> Tensor:
+    def __call__(self, model: EnergyModel | Conditioned, posterior: Posterior, v: Tensor) -> Tensor:
         """v (B, ...) -> (B,); differentiable in φ (and in θ)."""
         raise NotImplementedError
 
@@ -299,7 +397,8 @@ def reporting(keys: Any) -> Callable[[Callable[..., EvalResult]], Callable[..., 
 
 class Schedule:
     """A learning-rate schedule: the rate of a role's optimizer before each training step.
-    ``constant`` marks one that never changes the rate (a captured CUDA graph keeps the rate it saw)."""
+    ``constant`` marks one that never changes the rate (a captured CUDA graph then reads a plain
+    number; a changing rate is written into a device tensor the captured step reads)."""
 
     constant: bool = False
 

@@ -100,7 +100,9 @@ class Batches:
         self.shards = Shards(len(self.store), min(batch_size, len(self.store)), seed, rank, world_size)
         self.steps_per_epoch = self.shards.steps_per_epoch
         self.seed, self.rank, self.use_augment = seed, rank, augment
-        self.epoch, self.pos = 0, 0
+        self.epoch, self.pos = 0, 0  # the position after the batches next() has returned (checkpointed)
+        self._cursor = (0, 0)  # the position after the batches drawn, one more than ``pos`` after a prefetch
+        self._ahead: tuple[Tensor, tuple[int, int]] | None = None  # a prefetched batch and the position after it
         self._iter: Iterator[Tensor] | None = None
         self._order: tuple[int, Tensor] | None = None  # (epoch, its order on the store's device)
         self._loader = None
@@ -116,19 +118,24 @@ class Batches:
             )
 
     def _raw(self) -> Tensor:
+        epoch, pos = self._cursor
         if self._loader is None:  # the epoch's order is copied to the device once, not an index copy (a sync) per batch
-            if self._order is None or self._order[0] != self.epoch:
-                self._order = (self.epoch, self.shards.order(self.epoch).to(self.store.device))
-            return self.store[self._order[1][self.shards.span(self.pos)]]
+            if self._order is None or self._order[0] != epoch:
+                order = self.shards.order(epoch)
+                if self.store.device.type == "cuda":  # through pinned memory: the copy does not wait for the GPU
+                    order = order.pin_memory().to(self.store.device, non_blocking=True)
+                self._order = (epoch, order.to(self.store.device))
+            return self.store[self._order[1][self.shards.span(pos)]]
         if self._iter is None:
-            self.shards.start = (self.epoch, self.pos)
+            self.shards.start = (epoch, pos)
             self._iter = iter(self._loader)
         return next(self._iter).to(self.device, non_blocking=True)
 
-    def next(self) -> Tensor:
-        """The next batch of this rank: (B/W, *event_shape), on the device, in the run's dtype."""
-        if self.pos >= self.steps_per_epoch:
-            self.epoch, self.pos, self._iter = self.epoch + 1, 0, None
+    def _draw(self) -> tuple[Tensor, tuple[int, int]]:
+        """The batch at the cursor, prepared and augmented, and the position after it; advances the cursor."""
+        if self._cursor[1] >= self.steps_per_epoch:
+            self._cursor, self._iter = (self._cursor[0] + 1, 0), None
+        epoch, pos = self._cursor
         batch = self._raw()
         if batch.device != self.device:
             batch = batch.to(self.device, non_blocking=True)
@@ -137,17 +144,35 @@ class Batches:
         batch = batch.to(self.dtype)
         if self.use_augment and self.data.augment is not None:
             generator = torch.Generator(device=self.device).manual_seed(
-                hash((self.seed, self.epoch, self.pos, self.rank)) % 2**63
+                hash((self.seed, epoch, pos, self.rank)) % 2**63
             )
             batch = self.data.augment(batch, generator)
-        self.pos += 1
+        self._cursor = (epoch, pos + 1)
+        return batch, self._cursor
+
+    def next(self) -> Tensor:
+        """The next batch of this rank: (B/W, *event_shape), on the device, in the run's dtype (the
+        one ``prefetch`` prepared, if it did)."""
+        if self._ahead is None:
+            self._ahead = self._draw()
+        batch, (self.epoch, self.pos) = self._ahead
+        self._ahead = None
         return batch
+
+    def prefetch(self) -> None:
+        """Prepare the batch ``next`` returns next, now: read (from DataLoader workers, into pinned
+        memory), copied to the device without blocking, prepared and augmented, while the device
+        still works on the step just launched. The position ``state_dict`` reports stays that of the
+        batches ``next`` has returned; the batch is the one ``next`` would have made."""
+        if self._ahead is None:
+            self._ahead = self._draw()
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.pos, self._iter = int(state["epoch"]), int(state["pos"]), None
+        self._cursor, self._ahead = (self.epoch, self.pos), None
 
 
 # ---- image transforms (data-set options) -------------------------------------------------------

@@ -8,17 +8,21 @@ needs state that is created lazily, such as Adam's moments, to exist already), t
 captures the step on a static copy of its batch, and every call from then on copies its batch
 into that copy and replays the graph. Random numbers come from the default CUDA generator,
 whose Philox offset a replay advances as the eager kernels would, so a replayed step draws the
-numbers its eager twin would draw.
+numbers its eager twin would draw. Scheduled learning rates live in device tensors
+(``optim.RateTensors``) that the captured kernels read and that each call updates in place
+before the replay, so a scheduled run replays too.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
 from eblvm_core.contracts import Estimator, Schedule
+from eblvm_core.optim import RateTensors
 
 WARMUP_STEPS = 3
 Step = Callable[[Tensor], dict[str, Tensor]]
@@ -33,7 +37,9 @@ def graph_refusal(
     enabled: bool = True,
 ) -> str | None:
     """Why the training step cannot be captured in a CUDA graph, or None when it can;
-    ``enabled`` is the recipe's [run] cuda_graph."""
+    ``enabled`` is the recipe's [run] cuda_graph. A scheduled rate is read from a device tensor
+    (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD kernels read a
+    tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd`` makes it so)."""
     if not enabled:
         return "[run] cuda_graph = false"
     if device.type != "cuda":
@@ -44,18 +50,30 @@ def graph_refusal(
         return f"precision {precision} scales or casts on the host"
     if not estimator.graph_safe:
         return f"the estimator ({type(estimator).__name__}) does not declare its step graph-safe"
-    for role, schedule in schedules.items():
-        if not schedule.constant:
-            return (
-                f"the learning rate of role '{role}' follows a schedule (a graph keeps the rate it was captured with)"
-            )
     for role, optimizer in estimator.optimizers.items():
+        schedule = schedules.get(role)
+        scheduled = schedule is not None and not schedule.constant
+        fused = all(group.get("fused") for group in optimizer.param_groups)
         if isinstance(optimizer, torch.optim.Adam):
-            if not all(group["fused"] for group in optimizer.param_groups):
+            if not fused:
                 return f"the Adam of role '{role}' is not the fused one"
-        elif not isinstance(optimizer, torch.optim.SGD):
+        elif isinstance(optimizer, torch.optim.SGD):
+            if scheduled and not fused:
+                return (
+                    f"the learning rate of role '{role}' follows a schedule and its SGD is not the fused one "
+                    "(torch's other SGD kernels read a rate tensor on the host)"
+                )
+        else:
             return f"the optimizer of role '{role}' ({type(optimizer).__name__}) is not known to be capturable"
     return None
+
+
+def scheduled_rates(
+    optimizers: Mapping[str, torch.optim.Optimizer], schedules: Mapping[str, Schedule]
+) -> RateTensors | None:
+    """Rate tensors for the roles whose learning rate follows a schedule, or None when none does."""
+    roles = [role for role in optimizers if role in schedules and not schedules[role].constant]
+    return RateTensors(optimizers[role] for role in roles) if roles else None
 
 
 class GraphedStep:
@@ -63,13 +81,20 @@ class GraphedStep:
 
     Every call is one real training step, the same as the eager one. When the step turns out not
     to be capturable (metrics that are not tensors, a batch of another shape, an error during
-    capture) ``refusal`` says why, ``report`` is told once, and the calls stay eager.
+    capture) ``refusal`` says why, ``report`` is told once, and the calls stay eager. ``rates``
+    holds the scheduled learning rates: before every call each group's current rate is written into
+    its tensor (outside the replay, in place), and the eager and capturing calls run with the
+    tensors in the groups, so that the graph reads the rate of the step it replays.
     """
 
     def __init__(
-        self, step: Step, optimizers: Mapping[str, torch.optim.Optimizer], report: Callable[[str], None] = print
+        self,
+        step: Step,
+        optimizers: Mapping[str, torch.optim.Optimizer],
+        report: Callable[[str], None] = print,
+        rates: RateTensors | None = None,
     ):
-        self.step, self.optimizers, self.report = step, optimizers, report
+        self.step, self.optimizers, self.report, self.rates = step, optimizers, report, rates
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_batch: Tensor | None = None
@@ -79,6 +104,8 @@ class GraphedStep:
     def __call__(self, batch: Tensor) -> dict[str, Tensor]:
         if self.refusal is not None:
             return self.step(batch)
+        if self.rates is not None:
+            self.rates.write()
         if self.graph is not None:
             if batch.shape != self.static_batch.shape or batch.dtype != self.static_batch.dtype:
                 self.refuse(f"a batch of shape {tuple(batch.shape)} came after {tuple(self.static_batch.shape)}")
@@ -88,9 +115,10 @@ class GraphedStep:
             self.graph.replay()
             return self.static_metrics
         self.calls += 1
-        if self.calls <= WARMUP_STEPS:
-            return self._warm_up(batch)
-        return self._capture(batch)
+        with self.rates.installed() if self.rates is not None else contextlib.nullcontext():
+            if self.calls <= WARMUP_STEPS:
+                return self._warm_up(batch)
+            return self._capture(batch)
 
     def refuse(self, why: str) -> None:
         self.refusal = why

@@ -3,8 +3,10 @@ the one helper every parameter update goes through."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+import struct
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import attrs
@@ -53,8 +55,12 @@ def adam(cfg: AdamConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
 
 
 def sgd(cfg: SGDConfig, params: Iterable[Tensor]) -> torch.optim.Optimizer:
-    """Stochastic gradient descent, optionally with momentum."""
-    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    """Stochastic gradient descent, optionally with momentum; the fused kernel where every parameter
+    is a CUDA float tensor (it reads a rate tensor on the device, so a scheduled rate can be replayed
+    from a CUDA graph; torch's other SGD kernels read a tensor rate on the host)."""
+    params = list(params)
+    fused = bool(params) and all(p.is_floating_point() and p.device.type == "cuda" for p in params)
+    opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, fused=fused or None)
     opt.max_grad_norm = cfg.max_grad_norm  # type: ignore[attr-defined]
     return opt
 
@@ -231,6 +237,67 @@ def take_mean_grad_norm(optimizer: torch.optim.Optimizer) -> float | None:
     total, count = stats.tolist()
     stats.zero_()
     return total / count if count else None
+
+
+# ---- learning rates in device tensors ------------------------------------------------------------
+
+
+def device_rate(lr: float) -> float:
+    """``lr`` rounded to the nearest float32, as a Python float: the rate a CUDA kernel reads from a
+    rate tensor (``RateTensors``; the fused Adam and SGD kernels take a float32 one). On a CUDA device
+    the trainer rounds every scheduled rate so, whether or not the step is replayed from a graph, so
+    that a replayed step (rate read from the tensor) and an eager one (rate given as a number) compute
+    with the same double and end at the same bits."""
+    return struct.unpack("f", struct.pack("f", lr))[0]
+
+
+class RateTensors:
+    """The learning rate of every param group of ``optimizers`` in a 0-d float32 tensor on the device
+    of the group's parameters, for a training step captured in a CUDA graph.
+
+    A graph replays the kernels it captured with the arguments they had: a rate given as a number
+    would stay the rate of the capturing step. Captured while ``installed()`` puts the tensors in the
+    groups' ``"lr"``, the optimizer kernels (fused Adam, fused SGD) and whatever else reads the rate
+    inside the step (the differentiable Adam copy of the unrolled BiSM) read it from the tensor each
+    replay instead. ``write()`` copies each group's current rate (the float the trainer's schedule
+    set) into its tensor in place (``fill_``: no host synchronisation, and the memory the graph reads
+    stays the same), before the replay and outside it, and only when it changed. Outside the step the groups
+    hold floats again, so checkpoints, the ``lr/<role>`` log and the CPU fast path see numbers.
+    """
+
+    def __init__(self, optimizers: Iterable[torch.optim.Optimizer]):
+        self.slots: list[tuple[dict, Tensor]] = [
+            (group, torch.zeros((), dtype=torch.float32, device=group["params"][0].device))
+            for optimizer in optimizers
+            for group in optimizer.param_groups
+            if group["params"]
+        ]
+        self.written: list[float | None] = [None] * len(self.slots)
+
+    def write(self) -> None:
+        """Copy each group's rate into its tensor, in place, where it changed since the last write."""
+        for i, (group, tensor) in enumerate(self.slots):
+            lr = group["lr"]
+            if lr is tensor:  # installed: the tensor already is the rate
+                continue
+            if isinstance(lr, Tensor):
+                tensor.copy_(lr)
+                self.written[i] = None
+            elif lr != self.written[i]:
+                tensor.fill_(lr)
+                self.written[i] = lr
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Within the block every group's ``"lr"`` is its rate tensor; the previous values after it."""
+        saved = [group["lr"] for group, _ in self.slots]
+        for group, tensor in self.slots:
+            group["lr"] = tensor
+        try:
+            yield
+        finally:
+            for (group, _), lr in zip(self.slots, saved):
+                group["lr"] = lr
 
 
 # ---- schedules ----------------------------------------------------------------------------------

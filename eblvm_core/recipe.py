@@ -63,7 +63,7 @@ class RunConfig:
     cuda_graph: bool = option(
         True,
         "on a GPU, capture the training step in a CUDA graph and replay it (the same numbers, without the launch "
-        "cost of many small kernels) when the estimator declares it safe and the rates are constant",
+        "cost of many small kernels) when the estimator declares it safe; scheduled rates live in device tensors",
     )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)

@@ -554,6 +554,8 @@ def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enu
     2. If ``free_energy`` is defined: it is (B,), and equals −log ∫ exp(−E(v, h)) dh — by
        enumerating h for m ≤ ``max_enumerated`` Bernoulli units, or by importance sampling
        from a Laplace approximation (inflated 1.5×) for Gaussian h, within 5 standard errors.
+    3. If ``condition`` is offered: ``condition(v)(h)`` equals ``energy(v, h)``, with the same
+       gradients in h and θ.
     """
     name = type(model).__name__
     latent = model.latent
@@ -575,6 +577,12 @@ def check_model(model: EnergyModel, v: Tensor, *, n_samples: int = 4096, max_enu
     assert torch.isfinite(grad_v).all(), f"{name}.energy: gradient in v not finite"
     theta = [p for p in model.parameters() if p.requires_grad]
     assert theta and any(g.abs().max() > 0 for g in _grads(energy.sum(), theta)), f"{name}.energy: no gradient in θ"
+    if model.has_conditioning and latent is not None:
+        h_c = h.detach().clone().requires_grad_(True)
+        cached, direct = model.condition(v)(h_c), model.energy(v, h_c)
+        torch.testing.assert_close(cached, direct, msg=f"{name}.condition(v)(h) differs from energy(v, h)")
+        for a, b_ in zip(_grads(cached.sum(), [h_c, *theta]), _grads(direct.sum(), [h_c, *theta])):
+            torch.testing.assert_close(a, b_, msg=f"{name}.condition(v): gradients differ from energy's")
     report: dict[str, float] = {}
     if not model.has_free_energy:
         return report

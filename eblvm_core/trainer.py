@@ -11,7 +11,6 @@ import math
 import re
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,15 +22,85 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
 from eblvm_core.errors import ConfigError, Interrupted, TrainingDiverged
-from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal
+from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.launch import resume_command
-from eblvm_core.optim import optimizer_params, take_mean_grad_norm
+from eblvm_core.optim import device_rate, optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe
 from eblvm_core.rundir import append_metrics
 from eblvm_core.state import RunState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
+
+
+class StepSums:
+    """The sums of the step metrics since the last log step, kept where the metrics are.
+
+    Tensor metrics are added into 0-d float32 tensors on their device, all of them by one
+    ``_foreach_add_`` a step (no host synchronisation, no new tensors); number metrics into Python
+    floats. Folded into the same addition, a sentinel adds 0·loss for a tensor ``loss``: it stays 0
+    while every loss is finite and turns NaN at the first non-finite one (a finite loss, however
+    large, cannot overflow it). The sums are read from the device in one transfer, at log steps and
+    at the NaN guard's checks only.
+    """
+
+    SENTINEL = "\0loss-is-finite"
+
+    def __init__(self):
+        self.order: dict[str, None] = {}  # metric names since the last take, in the order they first came
+        self.tensors: dict[str, Tensor] = {}  # every tensor metric's accumulator (kept, zeroed, across takes)
+        self.numbers: dict[str, float] = {}
+        self.nonfinite_number = False  # a loss given as a number was not finite
+        self._plan: tuple[tuple[str, ...], list[Tensor]] = ((), [])  # the last step's keys and accumulators
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        keys, values = [], []
+        for k, v in metrics.items():
+            self.order.setdefault(k)
+            if isinstance(v, Tensor):
+                keys.append(k)
+                values.append(v if v.dim() == 0 else v.reshape(()))
+            else:
+                self.numbers[k] = self.numbers.get(k, 0.0) + float(v)
+        loss = metrics.get("loss")
+        if loss is not None and not isinstance(loss, Tensor) and not math.isfinite(loss):
+            self.nonfinite_number = True
+        if not keys:
+            return
+        plan_keys, accumulators = self._plan
+        with torch.no_grad():
+            if isinstance(loss, Tensor):
+                keys.append(self.SENTINEL)
+                values.append(loss.reshape(()) * 0)
+            if tuple(keys) != plan_keys:
+                for k, v in zip(keys, values):
+                    if k not in self.tensors:
+                        self.tensors[k] = torch.zeros((), dtype=torch.float32, device=v.device)
+                accumulators = [self.tensors[k] for k in keys]
+                self._plan = (tuple(keys), accumulators)
+            torch._foreach_add_(accumulators, [v if v.dtype == torch.float32 else v.float() for v in values])
+
+    def loss_finite(self) -> bool:
+        """Whether every loss since the last ``take`` was finite (reads the sentinel: a synchronisation)."""
+        sentinel = self.tensors.get(self.SENTINEL)
+        return not self.nonfinite_number and (sentinel is None or float(sentinel) == 0.0)
+
+    def take(self) -> dict[str, float]:
+        """The sums by metric name (one transfer from the device), then every sum back to 0, in place."""
+        names = [k for k in self.tensors if k != self.SENTINEL]
+        tensors = [self.tensors[k] for k in names]
+        try:
+            read = torch.stack(tensors).tolist() if tensors else []
+        except RuntimeError:  # sums on several devices
+            read = [float(t) for t in tensors]
+        sums = dict(zip(names, read))
+        for k, v in self.numbers.items():
+            sums[k] = sums.get(k, 0.0) + v
+        if self.tensors:
+            torch._foreach_zero_(list(self.tensors.values()))
+        taken = {k: sums[k] for k in self.order}  # the metrics given since the last take
+        self.order, self.numbers, self.nonfinite_number, self._plan = {}, {}, False, ((), [])
+        return taken
 
 
 class Trainer(RunState):
@@ -184,17 +253,27 @@ class Trainer(RunState):
         if refusal is not None:
             self.say(f"CUDA graph: not used: {refusal}")
             return self.estimator.step
-        self.say(f"CUDA graph: the training step is captured after {WARMUP_STEPS} eager steps and replayed")
-        return GraphedStep(self.estimator.step, self.optimizers, self.say)
+        rates = scheduled_rates(self.optimizers, self.built.schedules)
+        line = f"CUDA graph: the training step is captured after {WARMUP_STEPS} eager steps and replayed"
+        if rates is not None:
+            roles = ", ".join(role for role, s in self.built.schedules.items() if not s.constant)
+            line += f"; the scheduled rates ({roles}) are read from device tensors, updated before each replay"
+        self.say(line)
+        return GraphedStep(self.estimator.step, self.optimizers, self.say, rates)
 
     def set_learning_rates(self) -> None:
+        """Each role's rate for this step from its schedule. On a CUDA device a scheduled rate is
+        rounded to float32 (``optim.device_rate``), the value a replayed step reads from its rate
+        tensor, so that graph-replayed and eager runs step alike; on the CPU it is the float itself."""
         run = self.recipe.run
+        rounded = self.parts.device.type == "cuda"
         for role, opt in self.optimizers.items():
             schedule = self.built.schedules.get(role)
             if schedule is None or not hasattr(opt, "base_lrs"):
                 continue
             for group, base in zip(opt.param_groups, opt.base_lrs):
-                group["lr"] = schedule.lr(base, self.step, run.steps, self.batches.steps_per_epoch)
+                lr = schedule.lr(base, self.step, run.steps, self.batches.steps_per_epoch)
+                group["lr"] = device_rate(lr) if rounded and not schedule.constant else lr
 
     def _stop_if_asked(self, sync_step: bool, saved: bool) -> None:
         """After a step: on SIGINT/SIGTERM write a checkpoint (unless this step did) and stop.
@@ -237,15 +316,16 @@ class Trainer(RunState):
         autocast = (
             (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
         )
-        sums: dict[str, Any] = defaultdict(float)
+        sums = StepSums()
         count, tick, paused = 0, time.perf_counter(), 0.0  # paused: seconds of evaluations and checkpoints
         session_start, first_step = tick, self.step
-        loss_ok: Tensor | bool = True
         training_step = self.training_step()
+        prefetch = self.parts.device.type == "cuda"  # the next batch on its way while the GPU runs the step
 
         def check_finite() -> None:
-            """Stop on a non-finite loss since the last check, or a non-finite parameter (every rank)."""
-            if distributed.any_rank(not bool(loss_ok)):
+            """Stop on a non-finite loss since the last log step, or a non-finite parameter (every
+            rank). Every log step is checked first, so that covers every step since the last check."""
+            if distributed.any_rank(not sums.loss_finite()):
                 raise self._diverged(f"training loss became non-finite after step {self.step - count}")
             self.check_parameters()
 
@@ -253,8 +333,9 @@ class Trainer(RunState):
             """Record the means of the steps since the last log step and print a line (with an ETA
             unless ``last``)."""
             nonlocal count, tick, paused
-            keys = list(sums)  # means over every rank's shard
-            values = distributed.mean_floats([float(sums[k]) / count for k in keys])
+            totals = sums.take()
+            keys = list(totals)  # means over every rank's shard
+            values = distributed.mean_floats([totals[k] / count for k in keys])
             means = {f"train/{k}": v for k, v in zip(keys, values)}
             for role, opt in self.optimizers.items():
                 means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
@@ -272,7 +353,6 @@ class Trainer(RunState):
                     left = (now - session_start) / (self.step - first_step) * (run.steps - self.step)
                     line += f", ETA {duration(left)}"
                 self.echo(line + ")")
-            sums.clear()
             count, tick, paused = 0, now, 0.0
 
         try:
@@ -287,17 +367,14 @@ class Trainer(RunState):
                     if diverged is None:
                         raise
                     raise diverged from None
+                if prefetch and self.step + 1 < run.steps:
+                    self.batches.prefetch()
                 self.update_ema()
                 self.step += 1
                 loss = metrics.get("loss", 0.0)
-                if isinstance(loss, Tensor):
-                    loss_ok = torch.isfinite(loss.detach()) & loss_ok
-                elif not math.isfinite(loss):
-                    if self.world == 1:
-                        raise self._diverged(f"training loss is {loss}")
-                    loss_ok = False  # every rank stops together at the next check
-                for k, v in metrics.items():
-                    sums[k] = sums[k] + (v.detach().float() if isinstance(v, Tensor) else float(v))
+                if not isinstance(loss, Tensor) and not math.isfinite(loss) and self.world == 1:
+                    raise self._diverged(f"training loss is {loss}")
+                sums.add(metrics)  # with several ranks a non-finite number stops them all at the next check
                 count += 1
                 if self.bar is not None:
                     self.bar.update(1)

@@ -249,3 +249,215 @@ def test_a_step_returning_python_numbers_is_never_captured():
         graphed(torch.ones(3, device=CUDA))
     assert graphed.graph is None and len(told) == 1 and "loss as Python numbers" in told[0]
     assert float(opt.grad_norm_stats[1]) == 8  # every step counted, eagerly
+
+
+# ---- scheduled rates and the deep steps in a CUDA graph ---------------------------------------------
+
+
+def graph_and_eager_runs(recipe, overrides, tmp_path):
+    """The same run from the same seed with the step replayed from a CUDA graph and launched
+    eagerly: {graph: (last checkpoint, log lines, training rows of metrics.jsonl)}."""
+    import json
+
+    from eblvm_core import checkpoint as ckpt
+
+    runs = {}
+    for graph in (True, False):
+        lines: list[str] = []
+        options = [*overrides, f"run.cuda_graph={str(graph).lower()}"]
+        run_dir, _ = run(RECIPES / recipe, options, device="cuda", out=tmp_path / str(graph), echo=lines.append)
+        rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[graph] = (ckpt.load(last_checkpoint(run_dir)), "\n".join(lines), [r for r in rows if "train/loss" in r])
+    return runs
+
+
+def assert_bit_identical(runs, label):
+    """Every network tensor of the graph-replayed run equals the eager run's, to the bit."""
+    graphed, eager = runs[True][0]["networks"], runs[False][0]["networks"]
+    differ = {}
+    for name, tensors in eager.items():
+        for key, value in tensors.items():
+            if not torch.equal(graphed[name][key], value):
+                differ[f"{name}.{key}"] = float((graphed[name][key].double() - value.double()).abs().max())
+    assert not differ, f"{label}: graph and eager runs differ (max abs difference per tensor): {differ}"
+
+
+SCHEDULED = {
+    "grbm_bissm, cosine on both roles": (
+        "grbm_bissm.toml",
+        [
+            'optim.model.schedule.kind="cosine"',
+            "optim.model.schedule.warmup_steps=10",
+            "optim.model.schedule.min_lr=1e-5",
+            'optim.posterior.schedule.kind="cosine"',
+        ],
+    ),
+    "grbm_bidsm, Adam unroll reading the posterior's cosine rate": (
+        "grbm_bidsm.toml",
+        ['estimator.unroll="adam"', 'optim.posterior.schedule.kind="cosine"'],
+    ),
+    "grbm_ssm, fused SGD with momentum, cosine": (
+        "grbm_ssm.toml",
+        [
+            'optim.model.kind="sgd"',
+            "optim.model.lr=1e-3",
+            "optim.model.momentum=0.9",
+            'optim.model.schedule.kind="cosine"',
+        ],
+    ),
+    "grbm_dsm, exponential per step": (
+        "grbm_dsm.toml",
+        [
+            'optim.model.schedule.kind="exponential"',
+            "optim.model.schedule.gamma=0.97",
+            'optim.model.schedule.every="step"',
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEDULED))
+def test_a_scheduled_run_replayed_from_a_cuda_graph_is_bit_identical_to_eager(case, tmp_path):
+    """With a schedule the rate changes every step; the graph reads it from a device tensor that is
+    updated in place before each replay. 100 steps end at the same bits as the eager run (whose
+    scheduled rates are the same float32 values, given as numbers), and both log the same rates."""
+    from eblvm_core.optim import device_rate
+
+    recipe, overrides = SCHEDULED[case]
+    common = [*overrides, "run.steps=100", "run.log_every=10", "run.checkpoint_every=100", "run.eval_every=0"]
+    runs = graph_and_eager_runs(recipe, common, tmp_path)
+    said = runs[True][1]
+    assert "CUDA graph: the training step is captured" in said and "eagerly" not in said, said
+    assert "read from device tensors" in said, said
+    assert "CUDA graph: not used: [run] cuda_graph = false" in runs[False][1]
+    assert_bit_identical(runs, case)
+    rates = [{k: v for k, v in row.items() if k.startswith("lr/")} for row in runs[True][2]]
+    assert rates == [{k: v for k, v in row.items() if k.startswith("lr/")} for row in runs[False][2]]
+    moving = [k for k in rates[0] if len({r[k] for r in rates}) > 5]  # the scheduled roles' rates moved
+    assert moving, rates
+    assert all(r[k] == device_rate(r[k]) for r in rates for k in moving)  # float32 values, as the tensors hold
+    if "sgd" in case.lower():
+        assert runs[True][0]["optimizers"]["model"]["param_groups"][0]["fused"]  # the factory's fused SGD on CUDA
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_graphed_step_reads_each_steps_rate_from_its_tensor(kind):
+    """GraphedStep with RateTensors: every replay uses the rate written before it; the parameters
+    equal those of eager steps given the same (float32) rates as numbers, bit for bit."""
+    from eblvm_core.graphs import WARMUP_STEPS, GraphedStep
+    from eblvm_core.optim import RateTensors, apply_update, device_rate
+
+    def trainer():
+        p = torch.zeros(5, device=CUDA, requires_grad=True)
+        if kind == "adam":
+            opt = torch.optim.Adam([p], lr=0.1, fused=True)
+        else:
+            opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+
+        def step(batch):
+            loss = ((p - batch - torch.randn(5, device=CUDA)) ** 2).sum()
+            apply_update(opt, loss)
+            return {"loss": loss.detach()}
+
+        return p, opt, step
+
+    rates = [device_rate(0.1 * 0.8**t) for t in range(16)]
+    batches = [torch.full((5,), float(t), device=CUDA) for t in range(16)]
+    torch.manual_seed(0)
+    p_eager, opt, eager = trainer()
+    for rate, batch in zip(rates, batches):
+        opt.param_groups[0]["lr"] = rate
+        eager(batch)
+    torch.manual_seed(0)
+    p_graph, opt, step = trainer()
+    graphed = GraphedStep(step, {"model": opt}, print, RateTensors([opt]))
+    for t, (rate, batch) in enumerate(zip(rates, batches)):
+        opt.param_groups[0]["lr"] = rate
+        graphed(batch)
+        assert isinstance(opt.param_groups[0]["lr"], float)  # the number again between steps
+        if t == WARMUP_STEPS:
+            assert graphed.graph is not None
+    assert graphed.refusal is None and graphed.graph is not None
+    assert torch.equal(p_graph, p_eager)
+
+
+DEEP_GRAPHED = {  # the deep steps on the digits recipes, with rates that move every step
+    "BiMDSM, channels-last, cosine": ("digits_bimdsm.toml", ["model.channels_last=true"]),
+    "MDSM, exact score, cosine": (
+        "digits_bimdsm.toml",
+        ['model.kind="resnet-ebm"', "~model.latent_dim", "~posterior", "~divergence", 'estimator.kind="exact-score"']
+        + ["~estimator.inner_steps", "~estimator.unroll_steps", "~optim.posterior"],
+    ),
+    "BiDVL, exponential per step": (
+        "digits_bidvl.toml",
+        [f'optim.{role}.schedule.every="step"' for role in ("energy", "encoder", "generator")]
+        + [f"optim.{role}.schedule.gamma=0.9" for role in ("energy", "encoder", "generator")],
+    ),
+    "VaGES-MDSM, 5 Langevin steps on h, cosine": (
+        "digits_bimdsm.toml",
+        ['estimator.kind="vages"', "~estimator.unroll_steps", "estimator.n_samples=2", "estimator.langevin_steps=5"]
+        + ['optim.posterior.schedule.kind="cosine"'],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DEEP_GRAPHED))
+def test_the_deep_steps_replayed_from_a_cuda_graph_train_as_the_eager_steps(case, tmp_path, monkeypatch):
+    """BiMDSM, the exact-score MDSM EBM, BiDVL and VaGES-MDSM are captured (3 eager steps, the
+    capture, 8 replays) and end at the eager run's bits. cuDNN is made deterministic for the
+    comparison: its default algorithms may reduce in a different order from run to run, which
+    would part any two runs, graph or not (if this fails by rounding-sized differences, check that
+    first)."""
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    recipe, overrides = DEEP_GRAPHED[case]
+    common = [*overrides, "~eval", "run.steps=12", "run.log_every=6", "run.checkpoint_every=12"]
+    runs = graph_and_eager_runs(recipe, common, tmp_path)
+    said = runs[True][1]
+    assert "CUDA graph: the training step is captured" in said and "eagerly" not in said, said
+    assert_bit_identical(runs, case)
+    losses = [[row["train/loss"] for row in runs[graph][2]] for graph in (True, False)]
+    assert losses[0] == losses[1] and all(math.isfinite(v) for v in losses[0])
+
+
+@pytest.mark.parametrize("case", ["BiMDSM", "VaGES-MDSM", "BiDVL"])
+def test_bf16_deep_steps_agree_with_fp32_on_cuda(case):
+    """The CPU test's comparison (tests/test_precision.py: every gradient a step hands to its
+    optimizers, and its losses) under CUDA autocast, with the same tolerances. The fp32 reference
+    itself runs its convolutions in TF32 (PyTorch's default on the GPU)."""
+    from tests.test_precision import check_bf16_step
+
+    check_bf16_step(case, CUDA)
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides",
+    [
+        ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"']),
+        ("digits_bidvl.toml", ["~eval"]),  # 14 steps an epoch: the 15th batch starts a new epoch's order
+        ("digits_bimdsm.toml", ["~eval"]),
+    ],
+)
+def test_the_loop_reads_nothing_from_the_gpu_between_log_steps(recipe, overrides, tmp_path, monkeypatch):
+    """From the 6th batch to the 25th of a 30-step run that logs, checks and saves at step 30 only,
+    torch raises on any operation that waits for the GPU (``set_sync_debug_mode("error")``): the
+    replayed step, its rate tensors, the next batch, the metric sums and the NaN guard's sentinel
+    are all launched without reading the device."""
+    from eblvm_core.data import Batches
+
+    real_next, calls = Batches.next, [0]
+
+    def next_batch(self):
+        calls[0] += 1
+        torch.cuda.set_sync_debug_mode("error" if 6 <= calls[0] < 26 else "default")
+        return real_next(self)
+
+    monkeypatch.setattr(Batches, "next", next_batch)
+    options = [*overrides, "run.steps=30", "run.log_every=30", "run.checkpoint_every=30", "run.eval_every=0"]
+    try:
+        lines: list[str] = []
+        run(RECIPES / recipe, options, device="cuda", out=tmp_path, echo=lines.append)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    said = "\n".join(lines)
+    assert calls[0] == 30 and "CUDA graph: the training step is captured" in said and "eagerly" not in said, said

@@ -108,3 +108,168 @@ def test_estimators_refuse_precisions_they_do_not_declare(write_recipe):
     text = RECIPE.format(objective="dsm").replace('"bf16"', '"fp16"')
     with pytest.raises(ConfigError, match="supports fp32, bf16, not fp16"):
         dry_run(write_recipe(text))
+
+
+# ---- the deep estimators under bf16 autocast ------------------------------------------------------
+#
+# One training step of each, built from a bundled recipe (tiny: digits 8×8, or the checkerboard
+# GRBM), runs twice from the same parameters and seed: in fp32 and under bf16 autocast, as the
+# trainer runs it with [run] precision = "bf16". Every gradient the step hands to an optimizer is
+# recorded instead of applied (so all are taken at the same parameters): the K lower-level
+# gradients of φ and the model's (BiSM, VaGES), the encoder's, generator's and energy's (BiDVL).
+#
+# Tolerances, and why: every bf16 gradient has cosine similarity ≥ 0.99 with its fp32 twin (the
+# direction of the update) and a relative error ‖g16 − g32‖/‖g32‖ below the case's bound. Measured
+# on the CPU over the step seeds 1-5 (the test uses 1): cosine ≥ 0.9997 and relative error ≤ 2.9%
+# for BiMDSM and VaGES-MDSM (bound 5%), cosine ≥ 0.996 and ≤ 9.1% for BiDVL (bound 15%: its lower
+# level sums a reconstruction error over pixels and a KL, many terms of both signs, each rounded to
+# bf16's 8 bits of mantissa, 0.4%). Every reported loss is within 2% of its fp32 value's scale
+# (measured ≤ 0.44%): for a score objective the part of the loss the model changes (loss − its value
+# at s = 0, the target term alone), for BiDVL's upper loss E(data) − E(samples) the size of the
+# energies it subtracts (bf16 rounds each to 0.4%; at initialisation their difference is 10⁻³ of
+# them and comes out 0 in bf16), otherwise the value itself.
+
+VAGES = ['estimator.kind="vages"', "~estimator.unroll_steps", "estimator.n_samples=2", "estimator.inner_steps=2"]
+DEEP_CASES = {  # name: (recipe, overrides, bound on the relative gradient error, updates per step)
+    "BiMDSM": ("digits_bimdsm.toml", ["estimator.inner_steps=2"], 0.05, 3),
+    "VaGES-MDSM": (
+        "digits_bimdsm.toml",
+        [*VAGES, "estimator.langevin_steps=3", "estimator.langevin_step_size=1e-5"],  # 1e-2 / HEAD_SCALE²
+        0.05,
+        3,
+    ),
+    "BiDVL": ("digits_bidvl.toml", [], 0.15, 3),
+    "BiDSM (GRBM)": ("grbm_bidsm.toml", ["estimator.inner_steps=2"], 0.10, 3),
+}
+HEAD_SCALE = 30.0  # the digits EBLVM's scores at init are 10⁻³ of MDSM's target (0.4 against 500 per
+# image): its head's weights ×30 bring them to half of it, so that the loss depends on the model (as
+# the ×300 of the DSM test above does); E grows 900×, so VaGES's Langevin step on h shrinks as much
+GRADIENT_COSINE = 0.99
+LOSS_TOLERANCE = 0.02
+
+
+def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, batch_size: int = 32):
+    """One step of ``case`` from seed 0's parameters and the step's own seed ``seed``:
+    (estimator, every gradient handed to an optimizer as a flat float32 vector, metrics as
+    floats, the objective's (points, context) or None). Nothing is stepped."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    from eblvm_core.build import build
+    from eblvm_core.checkpoint import seed_everything
+    from eblvm_core.data import Batches
+    from eblvm_core.optim import optimizer_params
+    from eblvm_core.recipe import load_recipe
+
+    recipe, overrides, _, _ = DEEP_CASES[case]
+    spec = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / recipe, [*overrides, f"run.batch_size={batch_size}", "~eval"]
+    )
+    seed_everything(0)
+    built = build(spec, device)
+    estimator = built.parts.estimator
+    if recipe == "digits_bimdsm.toml":
+        with torch.no_grad():
+            estimator.model.head.linear.weight.mul_(HEAD_SCALE)
+    batch = Batches(built.parts.data, batch_size, 0, device, built.parts.dtype).next()
+    gradients: list[torch.Tensor] = []
+
+    def record(optimizer, loss=None):
+        params = [p for p in optimizer_params(optimizer) if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if loss is not None else [p.grad for p in params]
+        gradients.append(
+            torch.cat([(torch.zeros_like(p) if g is None else g).float().flatten() for p, g in zip(params, grads)])
+        )
+        return torch.zeros((), device=device)
+
+    points = {}
+    objective = getattr(estimator, "objective", None)
+    if objective is not None:
+        draw = objective.points
+
+        def recording_points(v):
+            points["x"], points["context"] = draw(v)
+            return points["x"], points["context"]
+
+        objective.points = recording_points
+    modules = [sys.modules[type(estimator).__module__], importlib.import_module("eblvm_core.bilevel")]
+    saved = [module.apply_update for module in modules]
+    for module in modules:
+        module.apply_update = record
+    try:
+        torch.manual_seed(seed)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            metrics = estimator.step(batch)
+    finally:
+        for module, original in zip(modules, saved):
+            module.apply_update = original
+    return estimator, gradients, {k: float(v) for k, v in metrics.items()}, points or None
+
+
+def loss_scales(metrics: dict[str, float], estimator, points) -> dict[str, float]:
+    """The scale each reported loss's bf16 error is measured against (see above)."""
+    scales = {k: abs(v) for k, v in metrics.items()}
+    if points is not None and "loss" in metrics:
+        x, context = points["x"], points["context"]
+        with torch.no_grad():
+            target = float(estimator.objective.loss_at(x.detach(), torch.zeros_like(x), context).mean())
+        scales["loss"] = abs(metrics["loss"] - target)
+    elif {"energy_data", "energy_generated"} <= set(metrics):
+        scales["loss"] = abs(metrics["energy_data"]) + abs(metrics["energy_generated"])
+    return scales
+
+
+def gradient_errors(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[tuple[float, float]]:
+    """(cosine similarity, relative error of a against b) per recorded gradient."""
+    return [
+        (float(torch.nn.functional.cosine_similarity(x, y, dim=0)), float((x - y).norm() / y.norm()))
+        for x, y in zip(a, b)
+    ]
+
+
+def check_bf16_step(case: str, device: torch.device) -> None:
+    """The bf16 step's gradients and losses agree with the fp32 step's within the stated tolerances."""
+    _, _, bound, updates = DEEP_CASES[case]
+    estimator, grads32, metrics32, points = recorded_step(case, device, bf16=False)
+    _, grads16, metrics16, _ = recorded_step(case, device, bf16=True)
+    assert len(grads32) == len(grads16) == updates, "an update went past the recorder"
+    errors = gradient_errors(grads16, grads32)
+    print(case, "gradients (cosine, relative error):", [(f"{c:.5f}", f"{r:.4f}") for c, r in errors])
+    for i, (cosine, relative_error) in enumerate(errors):
+        assert cosine >= GRADIENT_COSINE and relative_error <= bound, (case, i, cosine, relative_error)
+    scales = loss_scales(metrics32, estimator, points)
+    assert metrics16.keys() == metrics32.keys()
+    for key, value in metrics32.items():
+        error = abs(metrics16[key] - value)
+        print(case, key, f"fp32 {value:.6g}  bf16 {metrics16[key]:.6g}  error/scale {error / scales[key]:.2e}")
+        assert error <= LOSS_TOLERANCE * scales[key], (case, key, value, metrics16[key], scales[key])
+    assert "bf16" in estimator.precisions  # what this test shows, the estimator declares
+
+
+@pytest.mark.parametrize("case", ["BiMDSM", "VaGES-MDSM", "BiDVL"])
+def test_bf16_deep_steps_agree_with_fp32(case):
+    check_bf16_step(case, torch.device("cpu"))
+
+
+def test_bf16_is_refused_with_a_relaxed_bernoulli_posterior():
+    """The GRBM's BiDSM step does not pass: its binary-concrete samples sigmoid((l + logit u)/T)
+    magnify bf16's rounding of the logits by 1/T = 10, and the first lower-level gradient of φ
+    turns by 20° (cosine 0.93, 43% relative error, batch 32). BiSM and VaGES therefore allow bf16
+    with continuous (Gaussian) latents only."""
+    estimator, grads32, _, _ = recorded_step("BiDSM (GRBM)", torch.device("cpu"), bf16=False)
+    _, grads16, _, _ = recorded_step("BiDSM (GRBM)", torch.device("cpu"), bf16=True)
+    cosine, relative_error = gradient_errors(grads16, grads32)[0]
+    assert cosine < GRADIENT_COSINE and relative_error > 0.10, (cosine, relative_error)
+    assert estimator.precisions == ("fp32",)
+
+
+@pytest.mark.parametrize("case", ["BiMDSM", "BiDVL"])
+def test_the_bf16_comparison_tells_another_step_apart(case):
+    """The same comparison between two fp32 steps that draw other noise (seed 2) fails: the
+    tolerances are tight enough to see a step that is not the same computation."""
+    _, _, bound, _ = DEEP_CASES[case]
+    _, grads1, _, _ = recorded_step(case, torch.device("cpu"), bf16=False, seed=1)
+    _, grads2, _, _ = recorded_step(case, torch.device("cpu"), bf16=False, seed=2)
+    errors = gradient_errors(grads2, grads1)
+    assert any(cosine < GRADIENT_COSINE or relative_error > bound for cosine, relative_error in errors), errors

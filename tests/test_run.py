@@ -279,7 +279,12 @@ def test_device_auto_keeps_models_below_the_measured_size_on_the_cpu():
         ("grbm_bissm.toml", [], None),  # small, but its step is replayed from a CUDA graph
         ("grbm_bissm.toml", ["run.cuda_graph=false"], "[run] cuda_graph = false"),
         ("grbm_bism_implicit.toml", [], "BiSMImplicit) does not declare"),
-        ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], "follows a schedule"),
+        ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], None),  # the rate is read from a device tensor
+        (
+            "grbm_ssm.toml",
+            ['optim.model.kind="sgd"', "optim.model.momentum=0.9", 'optim.model.schedule.kind="cosine"'],
+            "its SGD is not the fused one",
+        ),
     ],
 )
 def test_device_auto_keeps_a_small_model_on_the_cpu_only_when_its_step_cannot_be_graph_replayed(

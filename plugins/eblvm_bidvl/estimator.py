@@ -72,9 +72,16 @@ class BiDVLConfig:
 
 
 class BiDVL(Estimator):
-    """BiDVL with the energy, the encoder and the generator each stepped by its own optimizer."""
+    """BiDVL with the energy, the encoder and the generator each stepped by its own optimizer.
+
+    bf16: tests/test_precision.py holds its gradients and losses near fp32's. Graph-safe: the
+    same kernels on same-shaped tensors every step, no device value read on the host (spectral
+    norm's power iteration and batch norm's statistics update their buffers in place).
+    """
 
     roles = ("energy", "encoder", "generator")
+    precisions = ("fp32", "bf16")
+    graph_safe = True
 
     def __init__(self, cfg: BiDVLConfig, energy: EnergyModel, encoder: Posterior, generator: nn.Module, parts: Parts):
         self.cfg, self.energy, self.encoder, self.generator = cfg, energy, encoder, generator

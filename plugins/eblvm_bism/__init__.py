@@ -4,6 +4,15 @@ Upper level J_Bi(θ, φ) = E F(ŝ) with the modified score ŝ(x) = ∇_x[−E(x,
 (Eq. 8); lower level G(θ, φ) = E D(q(h|x) ‖ p(h|x)) (Eq. 9). Both see the objective's
 points x (the noisy ṽ for DSM). Each step: K real posterior updates on G with the model
 frozen, then a θ update along an approximation of dJ_Bi(θ, φ*(θ))/dθ.
+
+A model that conditions on v (``EnergyModel.condition``: the deep EBLVM's E = g(f(v), h)) has
+its features f(x) computed once per step, with their graph to θ: the K real steps use them
+detached, the N unrolled steps (or the implicit estimator's lower level) with their graph.
+The upper level differentiates ŝ in x and needs f's graph to x. Where it is evaluated at the
+real φ (N = 0, and the implicit estimator) it shares the same f(x), computed from x made a
+leaf that requires grad. With N > 0 it computes its own f(x): φ_N(θ) is then a function of
+f(x), and a shared f would let ∇_x of ŝ run through φ_N into x, which Eq. 8 holds fixed.
+Other models are evaluated in full at every call, as before.
 """
 
 from __future__ import annotations
@@ -32,18 +41,20 @@ from eblvm_core.bilevel import (
     unflat,
 )
 from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreField
+from eblvm_core.contracts import Conditioned, EnergyModel, Estimator, Parts, Posterior, ScoreField
 from eblvm_core.distributed import mean_over_ranks
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
 from eblvm_core.optim import apply_update
 
 
-def modified_score(model: EnergyModel, posterior: Posterior) -> ScoreField:
+def modified_score(model: EnergyModel | Conditioned, posterior: Posterior) -> ScoreField:
     """ŝ(x) = ∇_x[−E(x, h) − log q(h|x)], x (B, d) -> (B, d), one h ~ q(h|x) per point (Eq. 8).
 
     h is reparameterised at x.detach(): held fixed while differentiating in x, yet a function
-    of φ, so ŝ is differentiable in x (with the graph kept), θ and φ.
+    of φ, so ŝ is differentiable in x (with the graph kept), θ and φ. ``model`` may be a
+    ``Conditioned`` energy: at its own points (a leaf that requires grad, whose cache was
+    computed with the graph to it) E comes from the cache, elsewhere in full.
     """
 
     def score(x: Tensor) -> Tensor:
@@ -60,7 +71,8 @@ def modified_score(model: EnergyModel, posterior: Posterior) -> ScoreField:
 class BiSM(Estimator):
     """Shared part of the BiSM estimators: parts, optimizers, the two levels and the step.
 
-    Subclasses implement ``hypergradient(x, context) -> (dJ/dθ per model parameter, metrics)``.
+    Subclasses implement ``hypergradient(x, context, energy=None) -> (dJ/dθ per model
+    parameter, metrics)``, evaluating the model through ``energy`` (from ``condition``).
     """
 
     roles = ("model", "posterior")
@@ -79,28 +91,59 @@ class BiSM(Estimator):
         }
         self.functional = Functional(self.posterior)
 
-    def lower(self, x: Tensor) -> Tensor:
-        """G(θ, φ) on the points x: scalar batch mean of the divergence."""
-        return self.divergence(self.model, self.posterior, x).mean()
+    upper_shares_features = True
+    """Whether the upper level is evaluated at the real φ, so it can reuse the lower level's f(x)."""
 
-    def upper(self, x: Tensor, context: Any) -> Tensor:
+    def condition(self, x: Tensor) -> tuple[Tensor, EnergyModel | Conditioned]:
+        """(points, energy) for one step at the current θ. A model that conditions gets
+        ``model.condition(x)``, f(x) computed now with its graph to θ, for every level of the
+        step; when the upper level shares it (``upper_shares_features``) x is first made a
+        leaf that requires grad, so that f(x) carries its graph to x too. Any other model:
+        (x, model), as before."""
+        if not self.model.has_conditioning:
+            return x, self.model
+        if self.upper_shares_features:
+            x = x.detach().requires_grad_(True)
+        return x, self.model.condition(x)
+
+    def lower(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> Tensor:
+        """G(θ, φ) on the points x: scalar batch mean of the divergence (``energy``: the model
+        or its conditioned energy at x; default the model)."""
+        return self.divergence(self.model if energy is None else energy, self.posterior, x).mean()
+
+    def upper(self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None) -> Tensor:
         """J_Bi(θ, φ) on the points x: scalar batch mean of the objective on the modified score."""
-        return self.objective.loss(modified_score(self.model, self.posterior), x, context).mean()
+        score = modified_score(self.model if energy is None else energy, self.posterior)
+        return self.objective.loss(score, x, context).mean()
 
-    def fit_posterior(self, x: Tensor) -> dict[str, float]:
-        """K real updates of φ on G with the posterior's optimizer; θ gets no gradient."""
+    def fit_posterior(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> dict[str, float]:
+        """K real updates of φ on G with the posterior's optimizer; θ gets no gradient (a
+        conditioned energy is used detached)."""
         return fit_posterior(
-            self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.inner_steps
+            self.divergence,
+            self.model if energy is None else energy,
+            self.posterior,
+            self.optimizers["posterior"],
+            x,
+            self.inner_steps,
         )
 
-    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
+    def hypergradient(
+        self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None
+    ) -> tuple[list[Tensor], dict[str, float]]:
+        """dJ/dθ per model parameter and metrics, at the current φ. ``energy`` is what
+        ``condition`` returned with x; without it the estimator conditions on x itself."""
         raise NotImplementedError
+
+    def _energy(self, x: Tensor, energy: EnergyModel | Conditioned | None) -> tuple[Tensor, EnergyModel | Conditioned]:
+        return self.condition(x) if energy is None else (x, energy)
 
     def step(self, batch: Tensor) -> dict[str, float]:
         """batch (B, d) -> metrics; K posterior updates, then one model update."""
         x, context = self.objective.points(batch)
-        metrics = self.fit_posterior(x)
-        grads, more = self.hypergradient(x, context)
+        x, energy = self.condition(x)
+        metrics = self.fit_posterior(x, energy)
+        grads, more = self.hypergradient(x, context, energy)
         for p, g in zip(self.theta, grads):
             p.grad = g
         apply_update(self.optimizers["model"], None)
@@ -123,29 +166,51 @@ class BiSMUnrolled(BiSM):
     def __init__(self, parts: Parts, inner_steps: int, unroll_steps: int, unroll: str, inner_lr: float):
         super().__init__(parts, inner_steps)
         self.unroll_steps, self.unroll, self.inner_lr = unroll_steps, unroll, inner_lr
+        # bf16 where tests/test_precision.py measures it within tolerance: a value-only objective
+        # (MDSM, DSM) and continuous h (a relaxed Bernoulli q magnifies bf16's rounding by 1/temperature)
+        latent = self.model.latent
+        bf16 = self.objective.value_only and latent is not None and latent.kind == "gaussian"
+        self.precisions = ("fp32", "bf16") if bf16 else ("fp32",)
+        self.precision_note = "" if bf16 else "bf16 needs a value-only objective (dsm, mdsm) and gaussian latents"
+
+    @property
+    def upper_shares_features(self) -> bool:
+        """Only at N = 0: φ_N(θ) for N > 0 depends on f(x), which ∇_x of ŝ must not see."""
+        return self.unroll_steps == 0
 
     def _update_rule(self) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         if self.unroll == "adam":
             return DifferentiableAdam.from_optimizer(self.optimizers["posterior"], list(self.phi.values())).step
         return functools.partial(sgd_step, lr=self.inner_lr)
 
-    def unrolled(self, x: Tensor) -> tuple[dict[str, Tensor], Tensor | None]:
-        """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ (0-d)."""
+    def unrolled(
+        self, x: Tensor, energy: EnergyModel | Conditioned | None = None
+    ) -> tuple[dict[str, Tensor], Tensor | None]:
+        """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ (0-d).
+
+        ``energy`` (the model or its conditioned energy at x, with its graph: ∂G/∂φ is a function
+        of θ through it) is evaluated by all N steps."""
         params, lower_at_start = self.phi, None
         update = self._update_rule()
         ranks = distributed.active()  # asked once per step, not once per unrolled step
         for n in range(self.unroll_steps):
-            lower = self.functional.call(params, self.lower, x) if n else self.lower(x)
+            lower = self.functional.call(params, self.lower, x, energy) if n else self.lower(x, energy)
             if n == 0:
                 lower_at_start = lower.detach()
             grads = grads_or_zeros(lower, list(params.values()), create_graph=True)
             params = update(params, mean_over_ranks(grads) if ranks else grads)
         return params, lower_at_start
 
-    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, Tensor]]:
+    def hypergradient(
+        self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """dJ_Bi(θ, φ_N(θ))/dθ (Eq. 14) at the current φ; metrics as 0-d tensors (no host synchronisation)."""
-        params, lower = self.unrolled(x)
-        upper = self.functional.call(params, self.upper, x, context) if self.unroll_steps else self.upper(x, context)
+        x, energy = self._energy(x, energy)
+        params, lower = self.unrolled(x, energy)
+        if self.unroll_steps:
+            upper = self.functional.call(params, self.upper, x, context, energy)
+        else:
+            upper = self.upper(x, context, energy)
         metrics = {"loss": upper.detach()}
         if lower is not None:
             metrics["lower_loss"] = lower
@@ -166,13 +231,17 @@ class BiSMImplicit(BiSM):
         super().__init__(parts, inner_steps)
         self.solve = solve
 
-    def hypergradient(self, x: Tensor, context: Any) -> tuple[list[Tensor], dict[str, float]]:
+    def hypergradient(
+        self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None
+    ) -> tuple[list[Tensor], dict[str, float]]:
         """dJ_Bi(θ, φ*(θ))/dθ by the implicit function theorem, at the current φ."""
+        x, energy = self._energy(x, energy)
         phi = list(self.phi.values())
-        lower = self.lower(x)
+        lower = self.lower(x, energy)
         grad_phi = grads_or_zeros(lower, phi, create_graph=True)
-        upper = self.upper(x, context)
-        partial = grads_or_zeros(upper, self.theta + phi)
+        upper = self.upper(x, context, energy)
+        # a conditioned energy's f(x) is shared with grad_phi, whose mixed product follows: keep its graph
+        partial = grads_or_zeros(upper, self.theta + phi, retain_graph=isinstance(energy, Conditioned))
         d_theta, d_phi = partial[: len(self.theta)], partial[len(self.theta) :]
         w, info = self.solve(
             lambda vec: flat(mean_over_ranks(hvp(grad_phi, phi, unflat(vec, phi)))), flat(mean_over_ranks(d_phi))

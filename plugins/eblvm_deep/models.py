@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import EnergyModel, LatentSpec, Parts
+from eblvm_core.contracts import Conditioned, EnergyModel, LatentSpec, Parts
 from eblvm_core.errors import ConfigError
 from eblvm_deep.nets import ResNetFeatures, SquaredELU, spectrally_normalise, to_channels_last
 
@@ -80,7 +80,11 @@ def _finish(model: nn.Module, cfg: ResNetConfig) -> nn.Module:
 
 class ResNetEBLVM(EnergyModel):
     """E(v, h) = Σ_k ELU(W₂[f(v) + h, h] + b₂)_k², f(v) = W₁ ResNet(v) + b₁ (B, m):
-    v (B, C, H, W), h (B, m) -> (B,), E ≥ 0."""
+    v (B, C, H, W), h (B, m) -> (B,), E ≥ 0.
+
+    It conditions on v (``condition``): f(v), the ResNet and W₁, is computed once per batch
+    and only the head is evaluated for each h.
+    """
 
     def __init__(self, features: ResNetFeatures, n_features: int, latent_dim: int, head_width: int):
         super().__init__()
@@ -89,9 +93,20 @@ class ResNetEBLVM(EnergyModel):
         self.to_latent = nn.Linear(n_features, latent_dim)
         self.head = SquaredELU(2 * latent_dim, head_width)
 
-    def energy(self, v: Tensor, h: Tensor) -> Tensor:
-        f = self.to_latent(self.features(v))
+    def encode(self, v: Tensor) -> Tensor:
+        """f(v) = W₁ ResNet(v) + b₁: v (B, C, H, W) -> (B, m), the expensive part of E."""
+        return self.to_latent(self.features(v))
+
+    def couple(self, f: Tensor, h: Tensor) -> Tensor:
+        """Σ_k ELU(W₂[f + h, h] + b₂)_k²: f (B, m), h (..., B, m) -> (..., B), the cheap head."""
         return self.head(torch.cat([f + h, h], dim=-1))
+
+    def energy(self, v: Tensor, h: Tensor) -> Tensor:
+        return self.couple(self.encode(v), h)
+
+    def condition(self, v: Tensor) -> Conditioned:
+        """h ↦ E(v, h) with f(v) computed here, once (with the graph autograd records here)."""
+        return Conditioned(self, v, self.encode(v), self.couple)
 
 
 class ResNetEBM(EnergyModel):

@@ -1,5 +1,9 @@
 """Lower-level divergences D(q(h|v) ‖ p(h|v)) of BiSM (Eq. 10-11), computed from E and q only, and
-the ``posterior-fisher`` evaluator that measures the Fisher one on a data split."""
+the ``posterior-fisher`` evaluator that measures the Fisher one on a data split.
+
+Their ``model`` is an ``EnergyModel`` or, from estimators, a ``Conditioned`` energy at the
+points v (``eblvm_core.contracts``): ``energies`` evaluates the k samples of h from its cache.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +16,9 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive
-from eblvm_core.contracts import Divergence, EnergyModel, EvalResult, Parts, Posterior, reporting
+from eblvm_core.contracts import Divergence, EnergyModel, EvalResult, Parts, Posterior, energies, reporting
 from eblvm_core.errors import ConfigError
 from eblvm_core.hookspecs import hookimpl
-
-
-def energies(model: EnergyModel, v: Tensor, h: Tensor) -> Tensor:
-    """E(v, h) for k samples h (k, B, m): -> (k, B); the samples are flattened into the batch."""
-    k, b = h.shape[:2]
-    vk = v if k == 1 else v.unsqueeze(0).expand(k, *v.shape).reshape(k * b, *v.shape[1:])
-    return model.energy(vk, h.reshape(k * b, -1)).view(k, b)
 
 
 @attrs.frozen

@@ -3,7 +3,10 @@
 For value-only objectives F(s) (DSM, KSD): the score at the objective's points is estimated
 from L posterior samples, ŝ(x) = (1/L) Σ_l ∇_x log p̃(x, h_l) (VaES), and its θ-gradient by
 (1/L) Σ_l ∂∇_x log p̃(x, h_l)/∂θ + Cov_q(∇_x log p̃(x, h), ∇_θ log p̃(x, h)) (VaGES). The
-posterior is fitted by K lower-level steps per batch, as in BiSM, without unrolling.
+posterior is fitted by K lower-level steps per batch, as in BiSM, without unrolling. A model
+that conditions on v (``EnergyModel.condition``) has its features of x computed once per step,
+without a graph, for the K lower-level steps and the Langevin steps on h (θ gets no gradient
+from either); the surrogate evaluates E in full, once, for the L samples.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.bilevel import fit_posterior
+from eblvm_core.bilevel import condition_on, fit_posterior
 from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior, ScoreObjective
+from eblvm_core.contracts import Conditioned, EnergyModel, Estimator, Parts, Posterior, ScoreObjective
 from eblvm_core.errors import ConfigError
 from eblvm_core.optim import apply_update
 
@@ -34,26 +37,45 @@ def joint_scores(model: EnergyModel, x: Tensor, h: Tensor) -> tuple[Tensor, Tens
     return grad.view(n, *x.shape), log_joint.view(n, b)
 
 
-def langevin_correct(model: EnergyModel, x: Tensor, h: Tensor, steps: int, step_size: float, noise: float) -> Tensor:
+def langevin_correct(
+    model: EnergyModel | Conditioned, x: Tensor, h: Tensor, steps: int, step_size: float, noise: float
+) -> Tensor:
     """C steps h ← h − ½α∇_h E(x, h) + s·ξ on h (L, B, m), continuous h; returns detached h.
 
     With s ≪ √α (the papers' deep-model setting s = 1e-4) this is noisy gradient descent on the
-    energy in h, not a sampler of p(h|x).
+    energy in h, not a sampler of p(h|x). A model that conditions on x (or ``model`` conditioned
+    on x already) has its features of x computed once, without a graph, for all C steps.
     """
     n, b = h.shape[:2]
-    xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:])
+    energy = condition_on(model, x, graph=False)
+    if isinstance(energy, Conditioned):
+
+        def total(hf: Tensor) -> Tensor:
+            return energy(hf.view(n, b, -1)).sum()
+    else:
+        xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:])
+
+        def total(hf: Tensor) -> Tensor:
+            return energy.energy(xl, hf).sum()
+
     h = h.detach().reshape(n * b, -1)
     for _ in range(steps):
         h = h.requires_grad_(True)
-        (grad,) = torch.autograd.grad(model.energy(xl, h).sum(), h)
+        (grad,) = torch.autograd.grad(total(h), h)
         h = (h - 0.5 * step_size * grad + noise * torch.randn_like(h)).detach()
     return h.view(n, b, -1)
 
 
 class VariationalScore(Estimator):
-    """Trains θ on a value-only objective through VaES (``covariance=False``) or VaGES."""
+    """Trains θ on a value-only objective through VaES (``covariance=False``) or VaGES.
+
+    Graph-safe: K lower-level steps, L samples and C Langevin steps on h of fixed shapes, no
+    device value read on the host. bf16 with continuous (gaussian) h only, as tests/test_precision.py
+    measures: a relaxed Bernoulli posterior magnifies bf16's rounding of its logits by 1/temperature.
+    """
 
     roles = ("model", "posterior")
+    graph_safe = True
 
     def __init__(self, parts: Parts, cfg: VaGESConfig, covariance: bool):
         self.model: EnergyModel = parts.need("model", "estimator")
@@ -71,24 +93,38 @@ class VariationalScore(Estimator):
         if cfg.langevin_steps and self.model.latent is not None and self.model.latent.kind != "gaussian":
             raise ConfigError("estimator", "langevin_steps", "Langevin correction needs continuous (gaussian) h")
         self.cfg, self.covariance = cfg, covariance
+        continuous = self.model.latent is not None and self.model.latent.kind == "gaussian"
+        self.precisions = ("fp32", "bf16") if continuous else ("fp32",)
+        self.precision_note = "" if continuous else "bf16 needs continuous (gaussian) latents"
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizers = {
             "model": parts.make_optimizer("model", self.theta),
             "posterior": parts.make_optimizer("posterior", [p for p in self.posterior.parameters() if p.requires_grad]),
         }
 
-    def fit_posterior(self, x: Tensor) -> dict[str, float]:
-        """K updates of φ on the lower-level divergence at the points x; θ gets no gradient."""
+    def fit_posterior(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> dict[str, float]:
+        """K updates of φ on the lower-level divergence at the points x; θ gets no gradient.
+        ``energy``: the model or its conditioned energy at x (default the model)."""
         return fit_posterior(
-            self.divergence, self.model, self.posterior, self.optimizers["posterior"], x, self.cfg.inner_steps
+            self.divergence,
+            self.model if energy is None else energy,
+            self.posterior,
+            self.optimizers["posterior"],
+            x,
+            self.cfg.inner_steps,
         )
 
-    def posterior_samples(self, x: Tensor) -> Tensor:
+    def posterior_samples(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> Tensor:
         """h_1..h_L ~ q(h|x) (L, B, m), exact draws, optionally Langevin-corrected; constants."""
         h = self.posterior.sample(x.detach(), self.cfg.n_samples)
         if self.cfg.langevin_steps:
             h = langevin_correct(
-                self.model, x, h, self.cfg.langevin_steps, self.cfg.langevin_step_size, self.cfg.langevin_noise
+                self.model if energy is None else energy,
+                x,
+                h,
+                self.cfg.langevin_steps,
+                self.cfg.langevin_step_size,
+                self.cfg.langevin_noise,
             )
         return h
 
@@ -113,8 +149,11 @@ class VariationalScore(Estimator):
     def step(self, batch: Tensor) -> dict[str, float]:
         """batch (B, d) -> metrics: K posterior updates, then one θ update along VaGES."""
         x, context = self.objective.points(batch)
-        metrics = self.fit_posterior(x)
-        surrogate, value = self.surrogate(x, context, self.posterior_samples(x))
+        energy = self.model
+        if self.cfg.inner_steps or self.cfg.langevin_steps:  # f(x) once for the lower level and Langevin
+            energy = condition_on(self.model, x, graph=False)
+        metrics = self.fit_posterior(x, energy)
+        surrogate, value = self.surrogate(x, context, self.posterior_samples(x, energy))
         apply_update(self.optimizers["model"], surrogate)
         metrics["loss"] = value
         return metrics
