@@ -329,6 +329,11 @@ def comparison(
     rows = [scaled[i : i + per_row] for i in range(0, len(scaled), per_row)]
     heights = [title_h + max(a.shape[0] for _, a in row) + pad for row in rows]
     width = max(pad + cell * min(per_row, len(scaled)) if scaled else 0, CURVES[0] if curves else 0)
+    if curves:  # the legend's room: its longest method name, its line sample and pads, and
+        # its offset from the axes (learning_curves: 2% of the axes' width)
+        legend = max(200, 70 + max(text_width(name) for name in curves))
+        width = max(width, 90 + 400 + legend)
+        legend += math.ceil(0.02 * (width - 90 - legend))
     height = sum(heights) + (CURVES[1] if curves else 0)
     fig = figure(width, height)
     top = 0
@@ -341,6 +346,12 @@ def comparison(
     if curves:
         # room for tick labels and the axis label (left), the title and clip note (top), the
         # step labels (bottom) and the legend (right)
-        ax = axes_at(fig, (90, top + 60, width - 90 - 200, CURVES[1] - 60 - 56))
+        ax = axes_at(fig, (90, top + 60, width - 90 - legend, CURVES[1] - 60 - 56))
         learning_curves(ax, curves, metric, axis)
     return fig
+
+
+def text_width(text: str) -> float:
+    """Width in pixels of ``text`` at matplotlib's default font size, as a legend draws it."""
+    fig = figure(1, 1)
+    return fig.text(0, 0, text).get_window_extent(renderer=fig.canvas.get_renderer()).width

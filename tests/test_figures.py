@@ -225,6 +225,26 @@ def test_comparison_shows_panels_at_their_own_resolution():
     assert (image[top : top + 160, left + cell : left + cell + 120] == upscaled).all()
 
 
+@pytest.mark.parametrize(
+    "name", ["A", "BiSSM, Gauss-Newton unroll, exact KL", "BiSSM, Gauss-Newton unroll, exact KL, longer"]
+)
+@pytest.mark.parametrize("panels", [0, 4], ids=["curves alone", "under wide panels"])
+def test_comparison_keeps_the_legend_of_long_method_names_inside_the_figure(name, panels):
+    """The legend right of the curves gets the room its longest name needs (a fixed 200 pixels cut
+    long names off at the figure's edge), also when panels above widen the figure and with it the
+    legend's offset from the axes; the curves keep at least 400 pixels."""
+    curves = {name: [(0, 0.1), (10, 0.3)], "B": [(0, 0.2), (10, 0.25)]}
+    image = torch.zeros(300, 450, 3, dtype=torch.uint8).numpy()
+    fig = plot.comparison([(str(i), image) for i in range(panels)], curves, "eval/m", (0.0, 0.5))
+    plot.render(fig)
+    renderer = fig.canvas.get_renderer()
+    (ax,) = fig.axes
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 > ax.get_window_extent(renderer).x1
+    assert legend.x1 <= fig.bbox.width and legend.y0 >= 0 and legend.y1 <= fig.bbox.height
+    assert ax.get_window_extent(renderer).width >= 400
+
+
 # ---- image grids ------------------------------------------------------------------------------
 
 
