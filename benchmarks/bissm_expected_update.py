@@ -27,6 +27,7 @@ import itertools
 from pathlib import Path
 
 import torch
+from eblvm_bism import BiSMImplicit
 from eblvm_score.objectives import SM
 
 from eblvm_core import checkpoint as ckpt
@@ -49,6 +50,24 @@ VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed sample
     ("trained q, N = 5, α = 3, 1 sample", False, 5, 3.0, 1),
     ("trained q, N = 5, α = 10, 1 sample", False, 5, 10.0, 1),
     ("trained q, N = 5, α = 30, 1 sample", False, 5, 30.0, 1),
+]
+# The flat-direction options (docs/results.md, "Hypergradients that see the flat directions"):
+# (label, exact q, N, α, samples, options), options among ``exact_kl`` ([divergence] exact),
+# ``natural`` (unroll = "natural" with that natural_damping) and ``implicit`` (bism-implicit with
+# hessian = "fisher-blocks" and that damping).
+FLAT_VARIANTS = [
+    ("exact KL, N = 5, α = 1 (sgd)", False, 5, 1.0, 1, {"exact_kl": True}),
+    ("exact KL, N = 100, α = 1 (sgd)", False, 100, 1.0, 1, {"exact_kl": True}),
+    ("natural N = 1, λ = 1e-6, 1 sample", False, 1, 1.0, 1, {"natural": 1e-6}),
+    ("natural N = 5, λ = 1e-6, 1 sample", False, 5, 1.0, 1, {"natural": 1e-6}),
+    ("natural N = 1, λ = 1e-3, 1 sample", False, 1, 1.0, 1, {"natural": 1e-3}),
+    ("natural N = 1, λ = 1e-6, exact KL", False, 1, 1.0, 1, {"natural": 1e-6, "exact_kl": True}),
+    ("natural N = 1, λ = 1e-4, exact KL", False, 1, 1.0, 1, {"natural": 1e-4, "exact_kl": True}),
+    ("natural N = 1, λ = 1e-8, exact KL", False, 1, 1.0, 1, {"natural": 1e-8, "exact_kl": True}),
+    ("natural N = 5, λ = 1e-6, exact KL", False, 5, 1.0, 1, {"natural": 1e-6, "exact_kl": True}),
+    ("exact q, natural N = 1, λ = 1e-6, exact KL", True, 1, 1.0, 1, {"natural": 1e-6, "exact_kl": True}),
+    ("implicit blocks, λ = 1e-6, 1 sample", False, 0, 1.0, 1, {"implicit": 1e-6}),
+    ("implicit blocks, λ = 1e-6, exact KL", False, 0, 1.0, 1, {"implicit": 1e-6, "exact_kl": True}),
 ]
 
 
@@ -133,16 +152,24 @@ def main() -> None:
         print(
             f"  {'exact-score SSM (control)':42s} ‖E[ĝ − g]‖ {float(control.mean(0).norm()):6.3f} (floor {float(floor):.3f})"
         )
-        for label, exact_q, unroll_steps, step, samples in VARIANTS:
+        unrolled = estimator
+        for label, exact_q, unroll_steps, step, samples, *more in VARIANTS + FLAT_VARIANTS:
             if args.only and not any(word in label for word in args.only):
                 continue
             if not exact_q and not has_q:
                 continue
+            options = more[0] if more else {}
             parts.posterior.load_state_dict(trained)
             if exact_q:
                 set_exact_posterior(parts)
+            estimator = unrolled
+            if "implicit" in options:
+                estimator = BiSMImplicit(parts, unrolled.inner_steps, None, block_damping=options["implicit"])
             estimator.divergence.n_samples = samples
+            estimator.divergence.exact = options.get("exact_kl", False)
             estimator.unroll_steps, estimator.inner_lr = unroll_steps, step
+            estimator.unroll = "natural" if "natural" in options else "sgd"
+            estimator.natural_damping = options.get("natural", 0.0)
             parts.posterior.temperature = float(label.split("T = ")[1]) if "T = " in label else temperature
             generator = torch.Generator().manual_seed(0)
             torch.manual_seed(0)
@@ -155,7 +182,11 @@ def main() -> None:
             differences = torch.stack(differences)
             bias, floor = differences.mean(0), differences.var(0).sum().div(args.batches).sqrt()
             parts_of_bias = "  ".join(f"{name} {float(b):+.2f}" for name, b in zip(components, bias))
-            print(f"  {label:42s} ‖E[ĝ − g]‖ {float(bias.norm()):6.3f} (floor {float(floor):.3f})  {parts_of_bias}")
+            spread = float(floor) * args.batches**0.5  # one batch's ‖ĝ − g − E[ĝ − g]‖, root mean square
+            print(
+                f"  {label:42s} ‖E[ĝ − g]‖ {float(bias.norm()):6.3f} (floor {float(floor):.3f}, "
+                f"one batch's sd {spread:.3g})  {parts_of_bias}"
+            )
 
 
 if __name__ == "__main__":

@@ -171,6 +171,55 @@ class BernoulliPosterior(Posterior):
         """sigmoid(logits) (B, m)."""
         return torch.sigmoid(self.logits(v))
 
+    # Closed forms, used by options that are off by default (the exact KL lower level, the
+    # natural-gradient unroll and the block solve of the implicit estimator; docs/results.md,
+    # "Hypergradients that see the flat directions"). Nothing above calls them.
+
+    def mean_and_expected_log_prob(self, v: Tensor) -> tuple[Tensor, Tensor]:
+        """E_q[h] = sigmoid(l) (B, m) and E_q[log q(h|v)] = Σ_j q_j l_j − softplus(l_j) (B,), the
+        negative entropy, exactly: log q(h|v) is linear in h, so its mean is its value at E_q[h].
+        One logit evaluation; differentiable in φ."""
+        logits = self.logits(v)
+        mean = torch.sigmoid(logits)
+        return mean, self._log_prob(mean, logits)
+
+    @property
+    def has_fisher_blocks(self) -> bool:
+        """Whether ``fisher_blocks`` and ``solve_blocks`` apply: the logits are linear in v."""
+        return len(self.net) == 1 and type(self.net[0]) is nn.Linear
+
+    def fisher_blocks(self, v: Tensor) -> Tensor:
+        """Per hidden unit j, F_j = mean_b q_bj(1 − q_bj) z_b z_bᵀ with z_b = [1, v_b] (linear logits
+        only): (m, d + 1, d + 1) in float64, at the current φ, detached.
+
+        F_j is the Fisher information of q(h_j|v) in unit j's parameters φ_j = (bias_j, weight_j),
+        averaged over the points v: the Gauss-Newton matrix of the lower level E_v KL(q ‖ p) for a
+        model whose energy is linear in h, and its exact Hessian where q = p(h|v). Units do not
+        couple: the Hessian has no entries between two units' parameters.
+        """
+        if not self.has_fisher_blocks:
+            raise ValueError("Fisher blocks need linear logits (hidden = [])")
+        with torch.no_grad():
+            logits = self.logits(v).double()
+            z = F.pad(v.detach().flatten(1).double(), (1, 0), value=1.0)  # (B, d + 1)
+            weight = torch.sigmoid(logits) * torch.sigmoid(-logits)  # q(1 − q), exact in both tails
+            return torch.einsum("bj,bk,bl->jkl", weight, z, z) / len(z)
+
+    def block_names(self) -> tuple[str, str]:
+        """Names of (bias, weight) among ``named_parameters()``, the layout ``solve_blocks`` reads."""
+        return "net.0.bias", "net.0.weight"
+
+    def solve_blocks(self, blocks: Tensor, vectors: dict[str, Tensor], damping: float) -> dict[str, Tensor]:
+        """(F_j + damping·I)⁻¹ g_j for every unit j: ``blocks`` (m, d + 1, d + 1) from
+        ``fisher_blocks``, ``vectors`` {bias name: (m,), weight name: (m, d)} (gradients or any
+        vectors in φ's layout) -> the same layout and dtype. Solved in float64, differentiable in
+        ``vectors`` (not in ``blocks``); no host synchronisation (``solve_ex``)."""
+        bias, weight = self.block_names()
+        g = torch.cat([vectors[bias].unsqueeze(-1), vectors[weight]], -1).double()  # (m, d + 1)
+        eye = torch.eye(blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
+        x = torch.linalg.solve_ex(blocks + damping * eye, g.unsqueeze(-1))[0].squeeze(-1)
+        return {bias: x[:, 0].to(vectors[bias].dtype), weight: x[:, 1:].to(vectors[weight].dtype)}
+
 
 def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
     """Bernoulli q(h|v) with a linear or MLP logit net, relaxed by binary concrete (Gumbel-softmax)."""
