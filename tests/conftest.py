@@ -65,6 +65,40 @@ kind = "adam\"""",
 )
 
 
+def poison_at(monkeypatch, step: int, what) -> None:
+    """Make the built estimator call ``what(built, metrics)`` after its ``step``-th step (counted
+    from the build), with that step's metrics, which it may change in place."""
+    import eblvm_core.session as session_module
+
+    real_build = session_module.build
+
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        real_step, count = built.parts.estimator.step, [0]
+
+        def poisoned(batch):
+            metrics = real_step(batch)
+            count[0] += 1
+            if count[0] == step:
+                what(built, metrics)
+            return metrics
+
+        built.parts.estimator.step = poisoned
+        return built
+
+    monkeypatch.setattr(session_module, "build", build)
+
+
+def one_line_error(result) -> str:
+    """The one line a bad input gets from the CLI: exit code 2, no traceback, "error: ..."."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
 @pytest.fixture
 def write_recipe(tmp_path: Path):
     """write_recipe(text, name="r.toml") -> path of a recipe file in tmp_path."""

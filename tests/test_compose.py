@@ -12,7 +12,7 @@ import pytest
 
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import apply_override, load_recipe, parse, read
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import SMALL_RECIPE, one_line_error
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -22,15 +22,6 @@ def write(folder: Path, name: str, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(textwrap.dedent(text))
     return path
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    assert lines[0].startswith("error: ")
-    return lines[0]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from eblvm_deep.models import ResNetEBLVM
 from eblvm_deep.nets import ResNetFeatures, spectrally_normalise
 from eblvm_divergences import KL, Fisher
 from eblvm_grbm.model import GRBM
-from eblvm_posteriors import BernoulliPosterior, GaussianPosterior
+from eblvm_posteriors import GaussianPosterior
 from eblvm_score.objectives import DSM, MDSM, SSM, MDSMConfig
 from eblvm_vages.estimators import VaGESConfig, VariationalScore
 
@@ -24,6 +24,7 @@ from eblvm_core.bilevel import Functional, condition_on, conjugate_gradient, fla
 from eblvm_core.contracts import Conditioned, DataSplits, EnergyModel, Parts, energies
 from eblvm_core.optim import apply_update
 from eblvm_core.testing import make
+from tests.test_bism import grbm_parts
 
 F64 = torch.float64
 SHAPE = (1, 8, 8)
@@ -402,18 +403,6 @@ def test_features_are_computed_once_per_update(case):
 
 
 # ---- a model without the capability is untouched -----------------------------------------------------
-
-
-def grbm_parts(objective) -> Parts:
-    torch.manual_seed(0)
-    data = torch.rand(200, 2)
-    return Parts(
-        data=DataSplits(train=data, test=data),
-        model=GRBM(2, 4),
-        posterior=BernoulliPosterior(2, 4),
-        objective=objective,
-        divergence=KL(),
-    )
 
 
 def algorithm_1_step(est: BiSMUnrolled, batch: torch.Tensor) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BISM, SMALL_RECIPE
+from tests.conftest import BISM, SMALL_RECIPE, one_line_error
 
 BIG = 2**73  # beyond 64 bits
 INT64_MAX = 2**63 - 1  # a 64-bit size no allocator can serve
@@ -301,14 +301,6 @@ RECIPES = [
     ("-o split", SMALL_RECIPE, ["eval.0.split=val"], "eval.0", "split"),
     ("-o fisher", BISM, ["divergence.kind=fisher"], "divergence", "kind"),
 ]
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 def assert_names(line: str, path: Path, section: str | None, key: str | None) -> None:

@@ -18,7 +18,7 @@ from eblvm_grbm.model import CHUNK_ELEMENTS, GRBM, binary_states, default_chunk
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eblvm_core.contracts import DataSplits, Parts
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import SMALL_RECIPE, one_line_error
 
 
 def random_grbm(d: int, m: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> GRBM:
@@ -163,31 +163,23 @@ def recipe(n_hidden: int, max_hidden: int | None = None) -> str:
     return text
 
 
-def one_line(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
-
-
 def test_validate_and_run_refuse_max_hidden_beyond_40_in_one_line(cli, write_recipe, tmp_path):
     """The issue's recipe (n_hidden = 34, max_hidden = 64) is refused before anything is built."""
     path = write_recipe(recipe(34, 64))
     for command in (["validate", path], ["run", path, "--out", tmp_path / "runs"]):
-        line = one_line(cli(command))
+        line = one_line_error(cli(command))
         assert line.startswith(f"error: {path}: [eval.0] max_hidden: must be at most 40, got 64"), line
         assert "2^40 ≈ 1.1e+12" in line and "ais-loglik" in line, line
     assert not (tmp_path / "runs").exists()
-    line = one_line(cli(["validate", write_recipe(recipe(4)), "-o", "eval.0.max_hidden=41"]))
+    line = one_line_error(cli(["validate", write_recipe(recipe(4)), "-o", "eval.0.max_hidden=41"]))
     assert "[eval.0] max_hidden: must be at most 40, got 41" in line
-    assert "[eval.0] max_hidden: must be > 0" in one_line(cli(["validate", write_recipe(recipe(4, 0))]))
+    assert "[eval.0] max_hidden: must be > 0" in one_line_error(cli(["validate", write_recipe(recipe(4, 0))]))
 
 
 def test_validate_and_run_refuse_more_hidden_units_than_max_hidden(cli, write_recipe, tmp_path):
     path = write_recipe(recipe(34))
     for command in (["validate", path], ["run", path, "--out", tmp_path / "runs"]):
-        line = one_line(cli(command))
+        line = one_line_error(cli(command))
         assert line.startswith(f"error: {path}: [eval.0] max_hidden: "), line
         assert "m=34 > max_hidden=20" in line and "ais-loglik" in line and "at most 40" in line, line
     assert not (tmp_path / "runs").exists()

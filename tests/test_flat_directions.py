@@ -21,53 +21,18 @@ from eblvm_bism import (
 )
 from eblvm_divergences import KL, KLConfig, build_kl, nonlinearity_in_latent
 from eblvm_grbm.model import GRBM, all_binary
-from eblvm_posteriors import BernoulliPosterior, relaxed_bernoulli
+from eblvm_posteriors import BernoulliPosterior
 from eblvm_score.objectives import DSM, SSM
 
 from eblvm_core.bilevel import flat, grads_or_zeros
 from eblvm_core.contracts import DataSplits, Parts, exact_score
 from eblvm_core.errors import ConfigError
 from eblvm_core.testing import linear_gaussian_parts
+from tests.test_bism import FixedNoiseBernoulli, FixedSSM, small_grbm
+from tests.test_bism import exact_grbm_posterior as set_exact
 
 F64 = torch.float64
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-
-
-class FixedSSM(SSM):
-    """SSM with its Rademacher slices drawn once: compared evaluations share them."""
-
-    def __init__(self, batch: int, dim: int, seed: int = 0):
-        super().__init__()
-        self.u = torch.randn(1, batch, dim, generator=torch.Generator().manual_seed(seed), dtype=F64).sign()
-
-    def slices(self, like: torch.Tensor) -> torch.Tensor:
-        return self.u
-
-
-class FixedNoiseBernoulli(BernoulliPosterior):
-    """The Bernoulli posterior whose relaxation reuses the same uniforms at every call: the
-    sampled lower level and the modified score become deterministic functions of (θ, φ)."""
-
-    def _sample(self, logits: torch.Tensor, n: int) -> torch.Tensor:
-        u = torch.rand((n, *logits.shape), generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
-        return relaxed_bernoulli(logits, u, self.temperature)
-
-
-def small_grbm(d: int = 2, m: int = 3, seed: int = 0, coupling: str = "plain") -> GRBM:
-    torch.manual_seed(seed)
-    model = GRBM(d, m, init_weight_std=0.7, coupling=coupling).double()
-    with torch.no_grad():
-        model.b.normal_(0, 0.5)
-        model.c.normal_(0, 0.5)
-        model.log_sigma.fill_(-0.3)
-    return model
-
-
-def set_exact(model: GRBM, posterior: BernoulliPosterior) -> None:
-    """q's linear logits := the GRBM posterior's, c + Uᵀv."""
-    with torch.no_grad():
-        posterior.net[0].weight.copy_(model.coupling_weight().T)
-        posterior.net[0].bias.copy_(model.c)
 
 
 def perturb(posterior: BernoulliPosterior, scale: float = 0.3, seed: int = 2) -> None:
@@ -139,7 +104,7 @@ def test_the_exact_kl_is_the_expectation_over_every_binary_h_with_its_gradients(
 
 def test_the_sampled_kl_tends_to_the_exact_one_at_a_low_temperature():
     """Many relaxed samples at T = 0.02: their mean is the exact KL within its Monte-Carlo error."""
-    model = small_grbm(3, 4)
+    model = small_grbm(3, 4, coupling="plain")
     posterior = BernoulliPosterior(3, 4, temperature=0.02).double()
     set_exact(model, posterior)
     perturb(posterior, 0.5)

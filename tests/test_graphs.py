@@ -15,6 +15,7 @@ from eblvm_core.checkpoint import seed_everything
 from eblvm_core.graphs import graph_refusal
 from eblvm_core.optim import apply_update, take_mean_grad_norm
 from eblvm_core.recipe import load_recipe
+from tests.conftest import poison_at
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 CUDA = torch.device("cuda")  # only named: graph_refusal decides without touching a device
@@ -156,27 +157,13 @@ def test_a_non_finite_tensor_loss_stops_the_run_at_the_next_check(tmp_path, monk
     """A loss tensor that turns NaN at step 13 (the parameters stay finite) stops the run at the
     next check, the checkpoint step 15 (before anything is written), naming the last log step
     before it, as the loop's former per-step check did."""
-    import eblvm_core.session as session_module
     from eblvm_core.errors import TrainingDiverged
     from eblvm_core.session import run
 
-    real_build = session_module.build
+    def nan_loss(built, metrics) -> None:
+        metrics["loss"] = metrics["loss"] * float("nan")
 
-    def build_with_nan(*args, **kwargs):
-        built = real_build(*args, **kwargs)
-        real_step, count = built.parts.estimator.step, [0]
-
-        def step(batch):
-            metrics = real_step(batch)
-            count[0] += 1
-            if count[0] == 13:
-                metrics["loss"] = metrics["loss"] * float("nan")
-            return metrics
-
-        built.parts.estimator.step = step
-        return built
-
-    monkeypatch.setattr(session_module, "build", build_with_nan)
+    poison_at(monkeypatch, 13, nan_loss)
     options = ["run.steps=40", "run.log_every=10", "run.checkpoint_every=15", "run.eval_every=0"]
     with pytest.raises(
         TrainingDiverged, match="step 15: training loss became non-finite after step 10; run stopped, no checkpoint"

@@ -19,7 +19,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.rundir import RunLock, new_run_dir
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import SMALL_RECIPE, poison_at
 
 QUIET = lambda _line: None  # noqa: E731
 
@@ -371,30 +371,7 @@ def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_rec
 # ---- divergence ------------------------------------------------------------------------------------
 
 
-def poison_at(monkeypatch, step: int, what) -> None:
-    """Make the built estimator call ``what(built)`` after its ``step``-th step (counted from the build)."""
-    import eblvm_core.session as session_module
-
-    real_build = session_module.build
-
-    def build(*args, **kwargs):
-        built = real_build(*args, **kwargs)
-        real_step, count = built.parts.estimator.step, [0]
-
-        def poisoned(batch):
-            metrics = real_step(batch)
-            count[0] += 1
-            if count[0] == step:
-                what(built)
-            return metrics
-
-        built.parts.estimator.step = poisoned
-        return built
-
-    monkeypatch.setattr(session_module, "build", build)
-
-
-def nan_sigma(built) -> None:
+def nan_sigma(built, metrics) -> None:
     with torch.no_grad():
         built.parts.model.log_sigma.fill_(float("nan"))
 
@@ -415,7 +392,7 @@ def test_a_second_ctrl_c_before_the_first_checkpoint_gives_advice_that_works(cli
     written; the command the message gives starts the run again from step 0 in its directory and
     ends bit-identical to an uninterrupted run, with one training row per logged step."""
 
-    def second_ctrl_c(built) -> None:
+    def second_ctrl_c(built, metrics) -> None:
         raise KeyboardInterrupt
 
     poison_at(monkeypatch, 15, second_ctrl_c)

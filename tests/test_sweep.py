@@ -13,7 +13,7 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import load_recipe, parse
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import SMALL_RECIPE, one_line_error
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 LOGLIK = "eval/exact-loglik/test_loglik"
@@ -52,14 +52,6 @@ def grid_spec(tmp_path: Path) -> Path:
 def table_rows(out: Path) -> dict[str, str]:
     lines = (out / "table.md").read_text().splitlines()[2:]
     return {line.split(" | ")[0].removeprefix("| "): line for line in lines}
-
-
-def one_line_error(result) -> str:
-    assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 def test_a_2x2_grid_runs_in_parallel_tabulates_four_rows_and_reruns_nothing(cli, grid_spec, tmp_path, monkeypatch):
