@@ -298,6 +298,9 @@ def compare(
         ..., help="comparison spec (TOML with [compare] and [[method]] sections, optionally a [sweep] grid)"
     ),
     seeds: int | None = typer.Option(None, min=1, help="seeds per method or grid point (default: the spec's)"),
+    seed_offset: int | None = typer.Option(
+        None, min=0, help="first seed (default: the spec's seed_offset); more seeds of a finished comparison"
+    ),
     jobs: int = typer.Option(1, min=1, help="runs in parallel processes"),
     steps: int | None = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
     out: Path | None = typer.Option(None, help="results folder (default results/<name>)"),
@@ -318,7 +321,9 @@ def compare(
     def go() -> None:
         from eblvm_core.compare import compare as run_compare
 
-        folder = run_compare(spec, seeds, jobs, steps, out, device, override, echo=typer.echo, only=only)
+        folder = run_compare(
+            spec, seeds, jobs, steps, out, device, override, echo=typer.echo, only=only, seed_offset=seed_offset
+        )
         typer.echo(f"done: {folder}")
 
     guarded(go)

@@ -196,10 +196,12 @@ def compare(
     overrides: list[str] = (),
     echo: Callable[[str], None] = print,
     only: list[str] = (),
+    seed_offset: int | None = None,
 ) -> Path:
     """Run the spec's rows (its methods, or each method's grid points when it sweeps) over seeds
     and write table.md, figure.png and results.json into ``out`` (default results/<name>);
     returns that folder. ``steps`` sets run.steps of every method (quick or smoke runs);
+    ``seed_offset`` replaces the spec's first seed (more seeds of a finished comparison);
     ``overrides`` apply to every method after the spec's and the grid's; ``only`` names the rows
     to train, a method's name meaning all its rows (the others are tabulated from earlier runs
     in ``out``: their records in done/, else their finished run directories, without training)."""
@@ -220,7 +222,7 @@ def compare(
         recipe_path = out / "recipes" / f"{slug(row.name)}.toml"
         recipe_path.write_text(tomli_w.dumps(spec.recipes[row.name]))
         for i in range(n_seeds):
-            seed = cfg.seed_offset + i
+            seed = (cfg.seed_offset if seed_offset is None else seed_offset) + i
             name = f"{slug(row.name)}-seed{seed}"
             task = {
                 "method": row.name,

@@ -643,3 +643,36 @@ def test_comparison_specs_validate(spec, monkeypatch):
 
     loaded = load_spec(RECIPES / "compare" / spec)
     assert len(loaded.methods) >= 2
+
+
+def test_seed_offset_trains_the_named_seeds(cli, tmp_path):
+    """--seed-offset 3 --seeds 1 trains seed 3 only, and its model is the one `run` trains with
+    run.seed=3 (and not seed 0's)."""
+    from eblvm_core.session import run as train
+
+    spec = write_spec(
+        tmp_path,
+        f"""
+        [compare]
+        name = "offset"
+        seeds = 1
+        metrics = ["eval/exact-loglik/test_loglik"]
+        overrides = ["data.n_train=300", "data.n_test=100"]
+
+        [[method]]
+        name = "DSM"
+        recipe = "{RECIPES / "grbm_dsm.toml"}"
+        """,
+    )
+    out = tmp_path / "results"
+    result = cli(["compare", spec, "--seed-offset", "3", "--steps", "6", "--out", out, "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads((out / "results.json").read_text())["runs"]
+    assert record["seed"] == 3 and Path(record["run_dir"]).parent.name == "DSM-seed3"
+    compared = ckpt.load(Path(record["run_dir"]) / "checkpoints" / "last.pt")["networks"]["model"]
+    for seed, same in ((3, True), (0, False)):
+        run_dir, _ = train(
+            out / "recipes" / "DSM.toml", [f"run.seed={seed}", "run.steps=6"], "cpu", tmp_path / f"s{seed}", echo=print
+        )
+        direct = ckpt.load(run_dir / "checkpoints" / "last.pt")["networks"]["model"]
+        assert all(torch.equal(compared[k], direct[k]) for k in direct) == same, seed
