@@ -7,6 +7,10 @@ data file needed), warms up, then times ``--steps`` estimator steps on one fixed
 synchronising the device after each; reported: the median and the 10th/90th percentiles of the
 step times, and the peak memory the device allocated during the timed steps. Variants change
 the precision and the memory format. Compare numbers only within one run on one card.
+
+Beside each case stand the papers' released code's step time and peak memory for the same
+update, and the target for this project, as issue 23 measured and set them on one NVIDIA H100
+80GB (torch 2.11, batch 100): the ratio column means something only on that card.
 """
 
 from __future__ import annotations
@@ -37,6 +41,28 @@ CASES = [
     ("BiDVL, conv nets (N=1), fp32", "cifar10_bidvl.toml", []),
     ("BiDVL, SNGAN ResNets, hinge (N=1), fp32", "cifar10_bidvl_resnet.toml", []),
 ]
+
+
+# case name -> (released code's median step in ms, its peak GiB, eblvm's target in ms), from issue 23
+# (H100, torch 2.11); BiDVL's released figure is its own training loop's, its target through `eblvm run`.
+RELEASED_H100 = {
+    "MDSM (exact score), fp32": (58.6, 5.40, 20.0),
+    "BiMDSM (K=5, N=0), fp32": (111.5, 3.02, 37.0),
+    "VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32": (None, None, 60.0),
+    "BiDVL, conv nets (N=1), fp32": (50.3, 0.77, 17.0),
+}
+
+
+def reference_columns(name: str, median_ms: float, on_gpu: bool) -> str:
+    """The released code's figures, eblvm's ratio to them (on a GPU only) and the target, as table cells."""
+    released_ms, released_gib, target_ms = RELEASED_H100.get(name, (None, None, None))
+    cells = [
+        "" if released_ms is None else f"{released_ms:.1f}",
+        "" if released_ms is None or not on_gpu else f"{median_ms / released_ms:.2f}",
+        "" if released_gib is None else f"{released_gib:.2f}",
+        "" if target_ms is None else f"≤ {target_ms:.0f}",
+    ]
+    return " | ".join(cells)
 
 
 def fake_cifar(folder: Path, n: int = 1000) -> Path:
@@ -92,10 +118,12 @@ def main() -> None:
     torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest convolution algorithms
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
-        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32.",
+        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32. Released code and target:"
+        " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
         "",
-        "| case | median step (ms) | p10-p90 (ms) | peak memory (GiB) |",
-        "|---|---|---|---|",
+        "| case | median step (ms) | p10-p90 (ms) | peak memory (GiB) "
+        "| released code, H100 (ms) | eblvm / released | released peak (GiB) | target, H100 (ms) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         root = fake_cifar(Path(tmp))
@@ -105,8 +133,10 @@ def main() -> None:
             times, peak = time_case(recipe, overrides, root, device, args.steps, args.warmup)
             ms = sorted(1000 * t for t in times)
             deciles = statistics.quantiles(ms, n=10)
+            median = statistics.median(ms)
             lines.append(
-                f"| {name} | {statistics.median(ms):.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} | {peak / 2**30:.2f} |"
+                f"| {name} | {median:.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} | {peak / 2**30:.2f} "
+                f"| {reference_columns(name, median, device.type == 'cuda')} |"
             )
             print(lines[-1], flush=True)
     table = "\n".join(lines)
