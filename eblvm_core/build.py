@@ -5,7 +5,8 @@ happens here, so ``eblvm validate`` (a dry build) rejects what ``eblvm run`` wou
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,21 @@ def set_threads(threads: int, device: torch.device, parts: Parts) -> int:
     if threads:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+@contextmanager
+def subnormals_flushed(device: torch.device) -> Iterator[None]:
+    """On a CPU, treat subnormal floats (|x| < 1.2e-38 in float32, 2.2e-308 in float64) as zero
+    inside the block, then put torch's default (off) back. A relaxed Bernoulli sample at T = 0.1
+    and the unrolled gradients through it are full of them, and x86 CPUs compute with subnormals
+    many times slower: BiDSM (N = 5) on Frey face took 348 ms per step late in training, 78 ms
+    flushed (docs/benchmarks.md). Nothing trained notices a number below 1e-38."""
+    flushed = device.type == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flushed:
+            torch.set_flush_denormal(False)
 
 
 TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")

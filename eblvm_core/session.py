@@ -21,7 +21,16 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.build import Built, auto_on_cpu, build, build_loggers, check_loggers, pick_device, set_threads
+from eblvm_core.build import (
+    Built,
+    auto_on_cpu,
+    build,
+    build_loggers,
+    check_loggers,
+    pick_device,
+    set_threads,
+    subnormals_flushed,
+)
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
 from eblvm_core.launch import resume_command
 from eblvm_core.recipe import Recipe, apply_override, check_unchanged, load_recipe, validate, with_run
@@ -84,7 +93,8 @@ def run(
     On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, patience,
     intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
     checkpoint, before anything is written. Under torchrun every process calls it and joins the
-    process group for the run; ranks > 0 return an empty evaluation.
+    process group for the run; ranks > 0 return an empty evaluation. On a CPU, subnormal floats
+    are flushed to zero while it trains and evaluates (``build.subnormals_flushed``).
     """
     if resume is not None:
         run_dir, note = find_run_dir(resume, "cannot resume")
@@ -220,7 +230,8 @@ def _train(
         if rank == 0:
             announce_run_dir(run_dir)
         trainer.run_dir = run_dir
-        return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals, command)
+        with subnormals_flushed(device):
+            return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals, command)
     finally:
         for lock in locks:
             lock.release()

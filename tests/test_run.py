@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
-from tests.conftest import SMALL_RECIPE
+from tests.conftest import SMALL_RECIPE, poison_at
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
@@ -334,3 +334,26 @@ def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_pa
     assert [s.step for s in events.Scalars("eval/exact-loglik/test_loglik")] == [20, 30]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [5, 10, 15, 20, 25, 30]
+
+
+def test_a_cpu_run_flushes_subnormal_floats_while_it_trains_and_only_then(write_recipe, tmp_path, monkeypatch):
+    """Inside a CPU run a subnormal float32 (1e-39) multiplies to 0, so the relaxed samples'
+    subnormals cost no slow path; before and after the run, also one that fails, it is itself."""
+    from eblvm_core.session import run as train
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    tiny = torch.tensor(1e-39)
+    seen: list[float] = []
+    poison_at(monkeypatch, 3, lambda built, metrics: seen.append((tiny * 1.0).item()))
+    assert (tiny * 1.0).item() > 0
+    train(write_recipe(), ["run.steps=5"], "cpu", tmp_path / "runs", echo=lambda _: None)
+    assert seen == [0.0] and (tiny * 1.0).item() > 0
+
+    def fail(built, metrics):
+        raise RuntimeError("a step that fails")
+
+    poison_at(monkeypatch, 2, fail)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        train(write_recipe(), ["run.steps=5"], "cpu", tmp_path / "failed", echo=lambda _: None)
+    assert (tiny * 1.0).item() > 0
