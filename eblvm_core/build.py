@@ -102,8 +102,9 @@ def subnormals_flushed(device: torch.device) -> Iterator[None]:
     """On a CPU, treat subnormal floats (|x| < 1.2e-38 in float32, 2.2e-308 in float64) as zero
     inside the block, then put torch's default (off) back. A relaxed Bernoulli sample at T = 0.1
     and the unrolled gradients through it are full of them, and x86 CPUs compute with subnormals
-    many times slower: BiDSM (N = 5) on Frey face took 348 ms per step late in training, 78 ms
-    flushed (docs/benchmarks.md). Nothing trained notices a number below 1e-38."""
+    many times slower: BiDSM (K = 1, N = 5) on Frey face took 284 ms per step late in training,
+    71 ms flushed (docs/benchmarks.md). Only numbers below the smallest normal one (and their
+    products) change: the main job ends with the same bits."""
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         yield
