@@ -104,7 +104,7 @@ def subnormals_flushed(device: torch.device) -> Iterator[None]:
     and the unrolled gradients through it are full of them, and x86 CPUs compute with subnormals
     many times slower: BiDSM (K = 1, N = 5) on Frey face took 284 ms per step late in training,
     71 ms flushed (docs/benchmarks.md). Only numbers below the smallest normal one (and their
-    products) change: the main job ends with the same bits."""
+    products) change: 2,000 steps of the main job end with the same bits."""
     flushed = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         yield
