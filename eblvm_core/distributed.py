@@ -72,9 +72,14 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
         dist.destroy_process_group()
         raise
-    # every rank past its last collective before any tears the group down, and every group torn
-    # down before any rank exits: a rank that exits while a peer's gloo threads still talk to it
-    # can abort that peer ("terminate called without an active exception", exit -6)
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Tear the default process group down on every rank together: every rank past its last
+    collective before any tears the group down, and every group torn down before any rank exits.
+    A rank that exits while a peer's gloo threads still talk to it can abort that peer
+    ("terminate called without an active exception", exit -6)."""
     global _groups_torn_down
     store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     dist.barrier()
