@@ -112,6 +112,11 @@ class BiSM(Estimator):
         or its conditioned energy at x; default the model)."""
         return self.divergence(self.model if energy is None else energy, self.posterior, x).mean()
 
+    def fisher_blocks(self, x: Tensor) -> Tensor:
+        """The posterior's per-unit Fisher blocks at the current φ on x (linear Bernoulli logits),
+        averaged over the ranks; a constant (no gradient flows through it)."""
+        return mean_over_ranks([self.posterior.fisher_blocks(x)])[0]
+
     def upper(self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None) -> Tensor:
         """J_Bi(θ, φ) on the points x: scalar batch mean of the objective on the modified score."""
         score = modified_score(self.model if energy is None else energy, self.posterior)
@@ -208,9 +213,7 @@ class BiSMUnrolled(BiSM):
     def _natural_step(self, x: Tensor) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         """φ ↦ φ − α(F + λI)⁻¹g per unit, F the Fisher blocks at the current φ (φ_K) on x, averaged
         over the ranks like the gradients (F is a constant: no gradient flows through it)."""
-        blocks = self.posterior.fisher_blocks(x)
-        if distributed.active():
-            (blocks,) = mean_over_ranks([blocks])
+        blocks = self.fisher_blocks(x)
         names, lr, damping = list(self.phi), self.inner_lr, self.natural_damping
 
         def step(params: dict[str, Tensor], grads: list[Tensor]) -> dict[str, Tensor]:
@@ -276,11 +279,10 @@ class BiSMImplicit(BiSM):
 
     def _solve_blocks(self, x: Tensor, d_phi: list[Tensor]) -> tuple[Tensor, SolveInfo]:
         """w = (F + λI)⁻¹∂_φJ per unit, F and ∂_φJ averaged over the ranks; flat, like ``solve``'s."""
-        blocks = self.posterior.fisher_blocks(x)
-        if distributed.active():
-            (blocks,) = mean_over_ranks([blocks])
         names = list(self.phi)
-        w = self.posterior.solve_blocks(blocks, dict(zip(names, mean_over_ranks(d_phi))), self.block_damping)
+        w = self.posterior.solve_blocks(
+            self.fisher_blocks(x), dict(zip(names, mean_over_ranks(d_phi))), self.block_damping
+        )
         return flat([w[name] for name in names]), SolveInfo(1, 0.0)
 
     def hypergradient(
