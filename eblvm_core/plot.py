@@ -331,7 +331,7 @@ def comparison(
     width = max(pad + cell * min(per_row, len(scaled)) if scaled else 0, CURVES[0] if curves else 0)
     if curves:  # the legend's room: its longest method name, its line sample and pads, and
         # its offset from the axes (learning_curves: 2% of the axes' width)
-        legend = max(200, 70 + max(text_width(name) for name in curves))
+        legend = max(200, 70 + widest_text(list(curves)))
         width = max(width, 90 + 400 + legend)
         legend += math.ceil(0.02 * (width - 90 - legend))
     height = sum(heights) + (CURVES[1] if curves else 0)
@@ -351,7 +351,9 @@ def comparison(
     return fig
 
 
-def text_width(text: str) -> float:
-    """Width in pixels of ``text`` at matplotlib's default font size, as a legend draws it."""
+def widest_text(texts: list[str]) -> float:
+    """Width in pixels of the widest of ``texts`` at matplotlib's default font size, as a legend
+    draws them (measured on one scratch figure)."""
     fig = figure(1, 1)
-    return fig.text(0, 0, text).get_window_extent(renderer=fig.canvas.get_renderer()).width
+    renderer = fig.canvas.get_renderer()
+    return max(fig.text(0, 0, text).get_window_extent(renderer=renderer).width for text in texts)
