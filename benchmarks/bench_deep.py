@@ -5,8 +5,11 @@
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10-shaped data (no
 data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
 synchronising the device after each; reported: the median and the 10th/90th percentiles of the
-step times, and the peak memory the device allocated during the timed steps. Variants change
-the precision and the memory format. Compare numbers only within one run on one card.
+step times, and the peak memory the device allocated during the timed steps. On a CUDA device a
+case that ``eblvm run`` would replay from a CUDA graph (``graphs.graph_refusal`` finds no reason
+against it) is timed a second time, replayed (``graphs.GraphedStep``, the trainer's wrapper, with
+its scheduled rates in device tensors), on freshly built parts. Variants change the precision and
+the memory format. Compare numbers only within one run on one card.
 
 Beside each case stand the papers' released code's step time and peak memory for the same
 update, and the target for this project, as issue 23 measured and set them on one NVIDIA H100
@@ -27,6 +30,7 @@ import torch
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
 from eblvm_core.data import Batches
+from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.recipe import apply_override, read, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +42,10 @@ CASES = [
     ("BiMDSM (K=5, N=0), fp32", "cifar10_bimdsm.toml", []),
     ("BiMDSM (K=5, N=0), fp32, channels-first", "cifar10_bimdsm.toml", ["model.channels_last=false"]),
     ("VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32", "cifar10_vagesmdsm.toml", []),
+    ("BiMDSM (K=5, N=0), bf16", "cifar10_bimdsm.toml", ['run.precision="bf16"']),
+    ("VaGES-MDSM (L=2, K=5, 5 Langevin steps), bf16", "cifar10_vagesmdsm.toml", ['run.precision="bf16"']),
     ("BiDVL, conv nets (N=1), fp32", "cifar10_bidvl.toml", []),
+    ("BiDVL, conv nets (N=1), bf16", "cifar10_bidvl.toml", ['run.precision="bf16"']),
     ("BiDVL, SNGAN ResNets, hinge (N=1), fp32", "cifar10_bidvl_resnet.toml", []),
 ]
 
@@ -51,6 +58,9 @@ RELEASED_H100 = {
     "VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32": (None, None, 60.0),
     "BiDVL, conv nets (N=1), fp32": (50.3, 0.77, 17.0),
 }
+RELEASED_H100.update(  # the same updates in bf16: the same reference and target
+    {name.replace("fp32", "bf16"): figures for name, figures in RELEASED_H100.items()}
+)
 
 
 def reference_columns(name: str, median_ms: float, on_gpu: bool) -> str:
@@ -74,8 +84,10 @@ def fake_cifar(folder: Path, n: int = 1000) -> Path:
 
 
 def time_case(
-    recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int
-) -> tuple[list[float], int]:
+    recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int, graphed: bool
+) -> tuple[list[float], int] | None:
+    """Step times (s) and peak memory (bytes) of one case, eager or (``graphed``) replayed from a CUDA
+    graph; None when graphed and the trainer would not capture this case's step."""
     raw = read(ROOT / "recipes" / recipe)
     raw["eval"] = []
     for override in [*overrides, f'data.root="{root}"', 'run.device="cpu"']:
@@ -86,14 +98,21 @@ def time_case(
     estimator = built.parts.estimator
     batch = Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
     precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.run.precision)
+    train_step = estimator.step
+    if graphed:
+        if graph_refusal(estimator, built.schedules, device, 1, spec.run.precision) is not None:
+            return None
+        train_step = GraphedStep(
+            estimator.step, estimator.optimizers, print, scheduled_rates(estimator.optimizers, built.schedules)
+        )
 
     def step() -> None:
         with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
-            estimator.step(batch)
+            train_step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for _ in range(warmup):
+    for _ in range(max(warmup, WARMUP_STEPS + 1) if graphed else warmup):  # a graph: warm-up calls and the capture
         step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -121,24 +140,28 @@ def main() -> None:
         f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32. Released code and target:"
         " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
         "",
-        "| case | median step (ms) | p10-p90 (ms) | peak memory (GiB) "
+        "| case | step | median step (ms) | p10-p90 (ms) | peak memory (GiB) "
         "| released code, H100 (ms) | eblvm / released | released peak (GiB) | target, H100 (ms) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         root = fake_cifar(Path(tmp))
         for i, (name, recipe, overrides) in enumerate(CASES):
             if args.cases is not None and i not in args.cases:
                 continue
-            times, peak = time_case(recipe, overrides, root, device, args.steps, args.warmup)
-            ms = sorted(1000 * t for t in times)
-            deciles = statistics.quantiles(ms, n=10)
-            median = statistics.median(ms)
-            lines.append(
-                f"| {name} | {median:.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} | {peak / 2**30:.2f} "
-                f"| {reference_columns(name, median, device.type == 'cuda')} |"
-            )
-            print(lines[-1], flush=True)
+            for graphed in (False, True) if device.type == "cuda" else (False,):
+                timed = time_case(recipe, overrides, root, device, args.steps, args.warmup, graphed)
+                if timed is None:
+                    continue
+                times, peak = timed
+                ms = sorted(1000 * t for t in times)
+                deciles = statistics.quantiles(ms, n=10)
+                median = statistics.median(ms)
+                lines.append(
+                    f"| {name} | {'graph' if graphed else 'eager'} | {median:.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} "
+                    f"| {peak / 2**30:.2f} | {reference_columns(name, median, device.type == 'cuda')} |"
+                )
+                print(lines[-1], flush=True)
     table = "\n".join(lines)
     print(table)
     if args.out:
