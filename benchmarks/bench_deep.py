@@ -36,9 +36,13 @@ from eblvm_core.recipe import apply_override, read, validate
 ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [
-    ("MDSM (exact score), fp32", "cifar10_mdsm.toml", []),
-    ("MDSM (exact score), fp32, channels-first", "cifar10_mdsm.toml", ["model.channels_last=false"]),
-    ("MDSM (exact score), bf16", "cifar10_mdsm.toml", ['run.precision="bf16"']),
+    ("MDSM (exact score), fp32", "cifar10_mdsm.toml", ['run.precision="fp32"']),
+    (
+        "MDSM (exact score), fp32, channels-first",
+        "cifar10_mdsm.toml",
+        ['run.precision="fp32"', "model.channels_last=false"],
+    ),
+    ("MDSM (exact score), bf16", "cifar10_mdsm.toml", []),  # the recipe's precision
     ("BiMDSM (K=5, N=0), fp32", "cifar10_bimdsm.toml", []),
     ("BiMDSM (K=5, N=0), fp32, channels-first", "cifar10_bimdsm.toml", ["model.channels_last=false"]),
     ("VaGES-MDSM (L=2, K=5, 5 Langevin steps), fp32", "cifar10_vagesmdsm.toml", []),
