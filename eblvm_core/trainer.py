@@ -113,6 +113,7 @@ class Trainer(RunState):
         self.stop_signal: str | None = None  # set by SIGINT/SIGTERM: checkpoint and stop after this step
         self.bar: Any = None  # the tqdm progress bar while fit() shows one (on a terminal)
         self.stopped_early: str | None = None  # why fit() ended before [run] steps (early stopping)
+        self.stalled_roles: set[str] = set()  # roles whose gradient was 0 over a log interval (said once)
 
     # ---- logging and evaluation -----------------------------------------------------------
     def record(self, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
@@ -342,6 +343,13 @@ class Trainer(RunState):
                 grad_norm = take_mean_grad_norm(opt)
                 if grad_norm is not None:
                     means[f"train/grad_norm/{role}"] = grad_norm
+                    if grad_norm == 0.0 and role not in self.stalled_roles:
+                        self.stalled_roles.add(role)
+                        self.say(
+                            f"warning: every gradient of role '{role}' since the last log step was 0: its parameters "
+                            "have stopped training (a saturated output or dead units), and evaluations that use them "
+                            "may mean nothing"
+                        )
             now = time.perf_counter()
             rate = count / max(now - tick - paused, 1e-9)
             means["speed/steps_per_s"] = rate

@@ -357,3 +357,23 @@ def test_a_cpu_run_flushes_subnormal_floats_while_it_trains_and_only_then(write_
     with pytest.raises(RuntimeError, match="a step that fails"):
         train(write_recipe(), ["run.steps=5"], "cpu", tmp_path / "failed", echo=lambda _: None)
     assert (tiny * 1.0).item() > 0
+
+
+def test_a_role_whose_gradient_stays_zero_is_reported_once(write_recipe, tmp_path, monkeypatch):
+    """A role whose mean gradient norm over a log interval is exactly 0 (e.g. BiDVL's energy behind a
+    saturated softplus) is named once in the run log; a run whose gradients move says nothing."""
+    from eblvm_core import trainer as trainer_module
+    from eblvm_core.session import run
+    from tests.conftest import BISM
+
+    recipe = write_recipe(BISM)
+    said: list[str] = []
+    run(recipe, out=tmp_path / "alive", echo=said.append)
+    assert not [line for line in said if "stopped training" in line]
+
+    real = trainer_module.take_mean_grad_norm
+    monkeypatch.setattr(trainer_module, "take_mean_grad_norm", lambda opt: 0.0 * real(opt))
+    said.clear()
+    run(recipe, out=tmp_path / "dead", echo=said.append)
+    warned = [line for line in said if "stopped training" in line]
+    assert len(warned) == 2 and "role 'model'" in warned[0] and "role 'posterior'" in warned[1], said
