@@ -32,6 +32,7 @@ from eblvm_core.checkpoint import seed_everything
 from eblvm_core.data import Batches
 from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.recipe import apply_override, read, validate
+from eblvm_core.trainer import AUTOCAST
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,7 +102,7 @@ def time_case(
     built = build(spec, device)
     estimator = built.parts.estimator
     batch = Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
-    precision = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec.run.precision)
+    precision = AUTOCAST.get(spec.run.precision)
     train_step = estimator.step
     if graphed:
         if graph_refusal(estimator, built.schedules, device, 1, spec.run.precision) is not None:
