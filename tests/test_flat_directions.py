@@ -170,7 +170,7 @@ def test_the_fisher_blocks_are_the_exact_kl_hessian_at_the_exact_posterior(coupl
         return torch.autograd.functional.hessian(lower, phi0).view(m, k, m, k)
 
     set_exact(model, posterior)
-    blocks = posterior.fisher_blocks(v)
+    blocks = posterior.fisher_blocks(v).matrices()
     assert blocks.shape == (m, k, k) and blocks.dtype == F64 and not blocks.requires_grad
     full = hessian().detach()
     for i in range(m):
@@ -191,7 +191,7 @@ def test_the_fisher_blocks_are_the_exact_kl_hessian_at_the_exact_posterior(coupl
             torch.testing.assert_close(row_c[1][:, j], -blocks[j][0, 1:], rtol=1e-10, atol=1e-12)
     perturb(posterior, 0.5)
     away = hessian().detach()
-    blocks = posterior.fisher_blocks(v)
+    blocks = posterior.fisher_blocks(v).matrices()
     assert max(float((away[j, :, j, :] - blocks[j]).abs().max()) for j in range(m)) > 1e-3
 
 
@@ -208,8 +208,29 @@ def test_solve_blocks_solves_each_unit_and_keeps_the_layout():
     assert {k: t.shape for k, t in out.items()} == {k: t.shape for k, t in vectors.items()}
     x = torch.cat([out["net.0.bias"].unsqueeze(-1), out["net.0.weight"]], -1)
     rhs = torch.cat([vectors["net.0.bias"].unsqueeze(-1), vectors["net.0.weight"]], -1)
-    torch.testing.assert_close((blocks + 0.01 * torch.eye(3, dtype=F64)) @ x.unsqueeze(-1), rhs.unsqueeze(-1))
+    dense = blocks.matrices()
+    torch.testing.assert_close((dense + 0.01 * torch.eye(3, dtype=F64)) @ x.unsqueeze(-1), rhs.unsqueeze(-1))
     assert posterior.has_fisher_blocks and not BernoulliPosterior(2, 3, hidden=[4]).has_fisher_blocks
+
+
+@pytest.mark.parametrize("damping", [1e-6, 1e-2])
+def test_fewer_points_than_dimensions_solve_by_woodbury_as_the_dense_blocks_do(damping):
+    """n = 12 points of d = 30 (Frey face's shape: 100 of 560): the n × n solve per unit gives the
+    dense (F_j + λI)⁻¹g, for a g off the points' span too, and its gradient in g (the unrolled step's)."""
+    g = torch.Generator().manual_seed(3)
+    posterior = BernoulliPosterior(30, 5).double()
+    with torch.no_grad():
+        posterior.net[0].weight.normal_(0, 0.5, generator=g)
+    blocks = posterior.fisher_blocks(torch.rand(12, 30, dtype=F64, generator=g))
+    assert blocks.z.shape == (12, 31)
+    rhs = torch.randn(5, 31, generator=g, dtype=F64, requires_grad=True)
+    woodbury = blocks.solve(rhs, damping)
+    dense = torch.linalg.solve(blocks.matrices() + damping * torch.eye(31, dtype=F64), rhs.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(woodbury, dense, rtol=1e-7, atol=1e-9 * float(dense.detach().abs().max()))
+    weights = torch.randn(5, 31, generator=g, dtype=F64)
+    (grad_woodbury,) = torch.autograd.grad((woodbury * weights).sum(), rhs)
+    (grad_dense,) = torch.autograd.grad((dense * weights).sum(), rhs)
+    torch.testing.assert_close(grad_woodbury, grad_dense, rtol=1e-7, atol=1e-9 * float(grad_dense.abs().max()))
 
 
 # ---- hypergradients against finite differences ------------------------------------------------------

@@ -112,10 +112,10 @@ class BiSM(Estimator):
         or its conditioned energy at x; default the model)."""
         return self.divergence(self.model if energy is None else energy, self.posterior, x).mean()
 
-    def fisher_blocks(self, x: Tensor) -> Tensor:
+    def fisher_blocks(self, x: Tensor) -> Any:
         """The posterior's per-unit Fisher blocks at the current φ on x (linear Bernoulli logits),
-        averaged over the ranks; a constant (no gradient flows through it)."""
-        return mean_over_ranks([self.posterior.fisher_blocks(x)])[0]
+        averaged over the ranks; a constant (no gradient flows through it), read by its ``solve_blocks``."""
+        return self.posterior.fisher_blocks(x).mean_over_ranks()
 
     def upper(self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None) -> Tensor:
         """J_Bi(θ, φ) on the points x: scalar batch mean of the objective on the modified score."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
+from eblvm_core import distributed
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import Parts, Posterior
 from eblvm_core.errors import ConfigError
@@ -188,9 +189,9 @@ class BernoulliPosterior(Posterior):
         """Whether ``fisher_blocks`` and ``solve_blocks`` apply: the logits are linear in v."""
         return len(self.net) == 1 and type(self.net[0]) is nn.Linear
 
-    def fisher_blocks(self, v: Tensor) -> Tensor:
+    def fisher_blocks(self, v: Tensor) -> FisherBlocks:
         """Per hidden unit j, F_j = mean_b q_bj(1 − q_bj) z_b z_bᵀ with z_b = [1, v_b] (linear logits
-        only): (m, d + 1, d + 1) in float64, at the current φ, detached.
+        only), at the current φ, detached, kept as its factors (``FisherBlocks``).
 
         F_j is the Fisher information of q(h_j|v) in unit j's parameters φ_j = (bias_j, weight_j),
         averaged over the points v: the Gauss-Newton matrix of the lower level E_v KL(q ‖ p) for a
@@ -202,23 +203,62 @@ class BernoulliPosterior(Posterior):
         with torch.no_grad():
             logits = self.logits(v).double()
             z = F.pad(v.detach().flatten(1).double(), (1, 0), value=1.0)  # (B, d + 1)
-            weight = torch.sigmoid(logits) * torch.sigmoid(-logits)  # q(1 − q), exact in both tails
-            return torch.einsum("bj,bk,bl->jkl", weight, z, z) / len(z)
+            return FisherBlocks(z, torch.sigmoid(logits) * torch.sigmoid(-logits))  # q(1 − q), exact in both tails
 
     def block_names(self) -> tuple[str, str]:
         """Names of (bias, weight) among ``named_parameters()``, the layout ``solve_blocks`` reads."""
         return "net.0.bias", "net.0.weight"
 
-    def solve_blocks(self, blocks: Tensor, vectors: dict[str, Tensor], damping: float) -> dict[str, Tensor]:
-        """(F_j + damping·I)⁻¹ g_j for every unit j: ``blocks`` (m, d + 1, d + 1) from
-        ``fisher_blocks``, ``vectors`` {bias name: (m,), weight name: (m, d)} (gradients or any
-        vectors in φ's layout) -> the same layout and dtype. Solved in float64, differentiable in
-        ``vectors`` (not in ``blocks``); no host synchronisation (``solve_ex``)."""
+    def solve_blocks(self, blocks: FisherBlocks, vectors: dict[str, Tensor], damping: float) -> dict[str, Tensor]:
+        """(F_j + damping·I)⁻¹ g_j for every unit j: ``vectors`` {bias name: (m,), weight name: (m, d)}
+        (gradients or any vectors in φ's layout) -> the same layout and dtype. Solved in float64,
+        differentiable in ``vectors`` (not in ``blocks``); no host synchronisation."""
         bias, weight = self.block_names()
         g = torch.cat([vectors[bias].unsqueeze(-1), vectors[weight]], -1).double()  # (m, d + 1)
-        eye = torch.eye(blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
-        x = torch.linalg.solve_ex(blocks + damping * eye, g.unsqueeze(-1))[0].squeeze(-1)
+        x = blocks.solve(g, damping)
         return {bias: x[:, 0].to(vectors[bias].dtype), weight: x[:, 1:].to(vectors[weight].dtype)}
+
+
+@attrs.frozen
+class FisherBlocks:
+    """m symmetric blocks F_j = mean_b w_bj z_b z_bᵀ (k × k), float64, no gradient: kept as the
+    factors ``z`` (n, k) and ``weight`` (n, m), or given whole as ``dense`` (m, k, k) (e.g. the
+    mean over ranks)."""
+
+    z: Tensor | None
+    weight: Tensor | None
+    dense: Tensor | None = None
+
+    def matrices(self) -> Tensor:
+        """The blocks (m, k, k)."""
+        if self.dense is not None:
+            return self.dense
+        return torch.einsum("bj,bk,bl->jkl", self.weight, self.z, self.z) / len(self.z)
+
+    def mean_over_ranks(self) -> FisherBlocks:
+        """The blocks averaged over the ranks (given whole), those of the union of their points;
+        ``self`` without a process group."""
+        if not distributed.active():
+            return self
+        return FisherBlocks(None, None, distributed.mean_over_ranks([self.matrices()])[0])
+
+    def solve(self, g: Tensor, damping: float) -> Tensor:
+        """(F_j + damping·I)⁻¹ g_j for every row j of g (m, k) -> (m, k), differentiable in g.
+
+        With fewer points than dimensions (n < k, e.g. a batch of 100 Frey faces, k = 561) and
+        damping λ > 0, by Woodbury's identity on an n × n system per unit: F_j = S_jᵀS_j with
+        S_j = diag(√(w_j/n)) Z, so (λI + S_jᵀS_j)⁻¹g = (g − S_jᵀ(λI + S_jS_jᵀ)⁻¹S_j g)/λ, exact for any
+        g, at O(mn²k) instead of the dense blocks' O(nmk² + mk³) time and O(mk²) memory."""
+        n, k = (0, 0) if self.dense is not None else self.z.shape
+        if not (damping > 0 and n < k):
+            blocks = self.matrices()
+            eye = torch.eye(blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
+            return torch.linalg.solve_ex(blocks + damping * eye, g.unsqueeze(-1))[0].squeeze(-1)
+        scale = (self.weight / n).sqrt().T  # (m, n): S_j = scale_j[:, None] * z
+        inner = (self.z @ self.z.T).mul(scale[:, :, None]).mul_(scale[:, None, :])  # (m, n, n), no gradient
+        inner.diagonal(dim1=-2, dim2=-1).add_(damping)
+        y = torch.linalg.solve_ex(inner, (scale * (g @ self.z.T)).unsqueeze(-1))[0].squeeze(-1)  # (m, n)
+        return (g - (scale * y) @ self.z) / damping
 
 
 def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
