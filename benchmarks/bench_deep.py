@@ -1,6 +1,7 @@
 """Step time and peak memory of the deep-EBLVM recipes (CIFAR-10 size) on one device.
 
     python benchmarks/bench_deep.py [--device cuda] [--steps 20] [--warmup 5] [--out table.md]
+    python benchmarks/bench_deep.py --flops [--out flops.md]      # any device, the CPU will do
 
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10-shaped data (no
 data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
@@ -10,6 +11,11 @@ case that ``eblvm run`` would replay from a CUDA graph (``graphs.graph_refusal``
 against it) is timed a second time, replayed (``graphs.GraphedStep``, the trainer's wrapper, with
 its scheduled rates in device tensors), on freshly built parts. Variants change the precision and
 the memory format. Compare numbers only within one run on one card.
+
+``--flops`` counts instead the floating-point operations of one update of each distinct case
+(``torch.utils.flop_counter``'s formulas: matrix products and convolutions, forward and every backward
+pass the update takes; elementwise work is not counted), after one warm-up update: a property
+of the update, not of the device, so the CPU gives the numbers a GPU's step times divide.
 
 Beside each case stand the papers' released code's step time and peak memory for the same
 update, and the target for this project, as issue 23 measured and set them on one NVIDIA H100
@@ -23,9 +29,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
@@ -88,11 +98,8 @@ def fake_cifar(folder: Path, n: int = 1000) -> Path:
     return folder
 
 
-def time_case(
-    recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int, graphed: bool
-) -> tuple[list[float], int] | None:
-    """Step times (s) and peak memory (bytes) of one case, eager or (``graphed``) replayed from a CUDA
-    graph; None when graphed and the trainer would not capture this case's step."""
+def build_case(recipe: str, overrides: list[str], root: Path, device: torch.device) -> tuple[Any, Any, Tensor]:
+    """(validated recipe, built parts, one batch) of a case on the fake data in ``root``."""
     raw = read(ROOT / "recipes" / recipe)
     raw["eval"] = []
     for override in [*overrides, f'data.root="{root}"', 'run.device="cpu"']:
@@ -100,8 +107,40 @@ def time_case(
     spec = validate(raw, recipe)
     seed_everything(0)
     built = build(spec, device)
+    return spec, built, Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
+
+
+class FlopCount(TorchDispatchMode):
+    """Sums ``flop_counter.flop_registry``'s count of every operator that runs inside it (FlopCounterMode's
+    formulas without its module hooks, which ``autograd.grad`` on a leaf input does not allow)."""
+
+    total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.total += count(*args, **kwargs, out_val=out)
+        return out
+
+
+def count_flops(recipe: str, overrides: list[str], root: Path, device: torch.device) -> int:
+    """Floating-point operations of one update (after one warm-up update)."""
+    _, built, batch = build_case(recipe, overrides, root, device)
+    built.parts.estimator.step(batch)
+    with FlopCount() as counter:
+        built.parts.estimator.step(batch)
+    return counter.total
+
+
+def time_case(
+    recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int, graphed: bool
+) -> tuple[list[float], int] | None:
+    """Step times (s) and peak memory (bytes) of one case, eager or (``graphed``) replayed from a CUDA
+    graph; None when graphed and the trainer would not capture this case's step."""
+    spec, built, batch = build_case(recipe, overrides, root, device)
     estimator = built.parts.estimator
-    batch = Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
     precision = AUTOCAST.get(spec.run.precision)
     train_step = estimator.step
     if graphed:
@@ -137,8 +176,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--cases", type=int, nargs="*", default=None, help="indices of CASES to run (default all)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--flops", action="store_true", help="count each update's FLOPs instead of timing it")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.flops:
+        return flops_table(device, args.out)
     torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest convolution algorithms
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
@@ -171,6 +213,28 @@ def main() -> None:
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
+
+
+def flops_table(device: torch.device, out: Path | None) -> None:
+    """One row per distinct update (the fp32 cases; precision and memory format do not change the count)."""
+    lines = [
+        f"FLOPs of one update, torch {torch.__version__} (flop_counter: matrix products and convolutions), batch 100.",
+        "",
+        "| case | GFLOP per update |",
+        "|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = fake_cifar(Path(tmp))
+        for name, recipe, overrides in CASES:
+            if "bf16" in name or "channels-first" in name:
+                continue
+            lines.append(
+                f"| {name.removesuffix(', fp32')} | {count_flops(recipe, overrides, root, device) / 1e9:.1f} |"
+            )
+            print(lines[-1], flush=True)
+    print("\n".join(lines))
+    if out:
+        out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
