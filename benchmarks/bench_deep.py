@@ -114,7 +114,9 @@ class FlopCount(TorchDispatchMode):
     """Sums ``flop_counter.flop_registry``'s count of every operator that runs inside it (FlopCounterMode's
     formulas without its module hooks, which ``autograd.grad`` on a leaf input does not allow)."""
 
-    total = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
