@@ -164,6 +164,18 @@ RECIPES = {
     "grbm_bism_implicit": POINT_NOISE_POSTERIOR,
     # exact-score SSM: one role
     "grbm_ssm": {},
+    # BiSSM with the exact KL and one Gauss-Newton unrolled step: the Fisher blocks averaged over the ranks
+    "grbm_bissm, Gauss-Newton": {
+        **POINT_NOISE_POSTERIOR,
+        "divergence": {"kind": "kl", "exact": True},
+        "estimator": {
+            "kind": "bism-unrolled",
+            "inner_steps": 5,
+            "unroll_steps": 1,
+            "unroll": "natural",
+            "inner_lr": 1.0,
+        },
+    },
 }
 
 
@@ -175,8 +187,8 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     directory; each rank kept its own random stream."""
     steps = 4
     recipe = write_recipe(
-        tmp_path / f"{name}.toml",
-        name,
+        tmp_path / "recipe.toml",
+        name.split(",")[0],
         {"steps": steps, "dtype": "float64", "log_every": 1, "eval_every": 1, "checkpoint_every": steps},
         data={"kind": "checkerboard", "n_train": 1000, "n_test": 100},
         objective={"kind": "ssm-point-noise"},
