@@ -203,7 +203,7 @@ class BernoulliPosterior(Posterior):
         with torch.no_grad():
             logits = self.logits(v).double()
             z = F.pad(v.detach().flatten(1).double(), (1, 0), value=1.0)  # (B, d + 1)
-            return FisherBlocks(z, torch.sigmoid(logits) * torch.sigmoid(-logits))  # q(1 − q), exact in both tails
+            return FisherBlocks.of(z, torch.sigmoid(logits) * torch.sigmoid(-logits))  # q(1 − q), exact in both tails
 
     def block_names(self) -> tuple[str, str]:
         """Names of (bias, weight) among ``named_parameters()``, the layout ``solve_blocks`` reads."""
@@ -221,13 +221,20 @@ class BernoulliPosterior(Posterior):
 
 @attrs.frozen
 class FisherBlocks:
-    """m symmetric blocks F_j = mean_b w_bj z_b z_bᵀ (k × k), float64, no gradient: kept as the
-    factors ``z`` (n, k) and ``weight`` (n, m), or given whole as ``dense`` (m, k, k) (e.g. the
-    mean over ranks)."""
+    """m symmetric blocks F_j = mean_b w_bj z_b z_bᵀ (k × k) over n points, float64, no gradient: held
+    whole as ``dense`` (m, k, k) where n ≥ k, else as the factors ``z`` (n, k) and ``weight`` (n, m),
+    which ``solve`` uses through Woodbury's identity."""
 
-    z: Tensor | None
-    weight: Tensor | None
     dense: Tensor | None = None
+    z: Tensor | None = None
+    weight: Tensor | None = None
+
+    @classmethod
+    def of(cls, z: Tensor, weight: Tensor) -> FisherBlocks:
+        """The blocks of the points' rows z (n, k) with weights (n, m), in the cheaper form."""
+        if len(z) < z.shape[1]:
+            return cls(z=z, weight=weight)
+        return cls(dense=torch.einsum("bj,bk,bl->jkl", weight, z, z) / len(z))
 
     def matrices(self) -> Tensor:
         """The blocks (m, k, k)."""
@@ -236,25 +243,24 @@ class FisherBlocks:
         return torch.einsum("bj,bk,bl->jkl", self.weight, self.z, self.z) / len(self.z)
 
     def mean_over_ranks(self) -> FisherBlocks:
-        """The blocks averaged over the ranks (given whole), those of the union of their points;
+        """The blocks averaged over the ranks (held whole), those of the union of their points;
         ``self`` without a process group."""
         if not distributed.active():
             return self
-        return FisherBlocks(None, None, distributed.mean_over_ranks([self.matrices()])[0])
+        return FisherBlocks(dense=distributed.mean_over_ranks([self.matrices()])[0])
 
     def solve(self, g: Tensor, damping: float) -> Tensor:
         """(F_j + damping·I)⁻¹ g_j for every row j of g (m, k) -> (m, k), differentiable in g.
 
-        With fewer points than dimensions (n < k, e.g. a batch of 100 Frey faces, k = 561) and
+        From the factors (fewer points than dimensions, e.g. a batch of 100 Frey faces, k = 561) and
         damping λ > 0, by Woodbury's identity on an n × n system per unit: F_j = S_jᵀS_j with
         S_j = diag(√(w_j/n)) Z, so (λI + S_jᵀS_j)⁻¹g = (g − S_jᵀ(λI + S_jS_jᵀ)⁻¹S_j g)/λ, exact for any
         g, at O(mn²k) instead of the dense blocks' O(nmk² + mk³) time and O(mk²) memory."""
-        n, k = (0, 0) if self.dense is not None else self.z.shape
-        if not (damping > 0 and n < k):
+        if self.dense is not None or damping <= 0:
             blocks = self.matrices()
             eye = torch.eye(blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
             return torch.linalg.solve_ex(blocks + damping * eye, g.unsqueeze(-1))[0].squeeze(-1)
-        scale = (self.weight / n).sqrt().T  # (m, n): S_j = scale_j[:, None] * z
+        scale = (self.weight / len(self.z)).sqrt().T  # (m, n): S_j = scale_j[:, None] * z
         inner = (self.z @ self.z.T).mul(scale[:, :, None]).mul_(scale[:, None, :])  # (m, n, n), no gradient
         inner.diagonal(dim1=-2, dim2=-1).add_(damping)
         y = torch.linalg.solve_ex(inner, (scale * (g @ self.z.T)).unsqueeze(-1))[0].squeeze(-1)  # (m, n)
