@@ -42,7 +42,7 @@ from eblvm_core.checkpoint import seed_everything
 from eblvm_core.data import Batches
 from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.recipe import apply_override, read, validate
-from eblvm_core.trainer import AUTOCAST
+from eblvm_core.trainer import step_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,6 @@ def time_case(
     graph; None when graphed and the trainer would not capture this case's step."""
     spec, built, batch = build_case(recipe, overrides, root, device)
     estimator = built.parts.estimator
-    precision = AUTOCAST.get(spec.run.precision)
     train_step = estimator.step
     if graphed:
         if graph_refusal(estimator, built.schedules, device, 1, spec.run.precision) is not None:
@@ -153,7 +152,7 @@ def time_case(
         )
 
     def step() -> None:
-        with torch.autocast(device.type, dtype=precision, enabled=precision is not None):
+        with step_precision(device.type, spec.run.precision):
             train_step(batch)
         if device.type == "cuda":
             torch.cuda.synchronize()

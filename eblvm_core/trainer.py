@@ -30,6 +30,18 @@ from eblvm_core.rundir import append_metrics
 from eblvm_core.state import RunState
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def step_precision(device_type: str, precision: str) -> contextlib.AbstractContextManager:
+    """The context a training step runs in under ``[run] precision``: autocast to bf16 or fp16,
+    or nothing for fp32. Autocast's cache of weight casts is off: a step that updates parameters
+    in place and runs them again (the K lower-level steps of BiSM and VaGES, BiDVL's second
+    level after its first) would otherwise reuse the casts made before the update, since the
+    cache lives until the outermost autocast region ends; a CUDA graph needs the cache off too."""
+    dtype = AUTOCAST.get(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
 
 
@@ -313,10 +325,6 @@ class Trainer(RunState):
             from tqdm import tqdm
 
             self.bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
-        precision = AUTOCAST.get(run.precision)
-        autocast = (
-            (lambda: torch.autocast(self.parts.device.type, dtype=precision)) if precision else contextlib.nullcontext
-        )
         sums = StepSums()
         count, tick, paused = 0, time.perf_counter(), 0.0  # paused: seconds of evaluations and checkpoints
         session_start, first_step = tick, self.step
@@ -368,7 +376,7 @@ class Trainer(RunState):
                 self.set_learning_rates()
                 batch = self.batches.next()
                 try:
-                    with autocast():
+                    with step_precision(self.parts.device.type, run.precision):
                         metrics = training_step(batch)
                 except (RuntimeError, ValueError) as exc:
                     diverged = self._step_failed(exc)
