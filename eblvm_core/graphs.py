@@ -39,15 +39,17 @@ def graph_refusal(
     """Why the training step cannot be captured in a CUDA graph, or None when it can;
     ``enabled`` is the recipe's [run] cuda_graph. A scheduled rate is read from a device tensor
     (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD kernels read a
-    tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd`` makes it so)."""
+    tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd`` makes it so).
+    A bf16 step is captured with its autocast casts (the trainer's region keeps no cache of them,
+    ``trainer.step_precision``), so each replay casts the weights of that step."""
     if not enabled:
         return "[run] cuda_graph = false"
     if device.type != "cuda":
         return f"the run is on {device.type}, not a CUDA device"
     if world > 1:
         return "several processes train together (their collectives are not captured)"
-    if precision != "fp32":
-        return f"precision {precision} scales or casts on the host"
+    if precision == "fp16":
+        return "precision fp16 scales the loss with a GradScaler, which reads its check for inf on the host"
     if not estimator.graph_safe:
         return f"the estimator ({type(estimator).__name__}) does not declare its step graph-safe"
     for role, optimizer in estimator.optimizers.items():

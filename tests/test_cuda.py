@@ -393,6 +393,12 @@ DEEP_GRAPHED = {  # the deep steps on the digits recipes, with rates that move e
         [f'optim.{role}.schedule.every="step"' for role in ("energy", "encoder", "generator")]
         + [f"optim.{role}.schedule.gamma=0.9" for role in ("energy", "encoder", "generator")],
     ),
+    "BiMDSM, bf16, cosine": ("digits_bimdsm.toml", ['run.precision="bf16"']),
+    "MDSM, exact score, bf16, cosine": (
+        "digits_bimdsm.toml",
+        ['model.kind="resnet-ebm"', "~model.latent_dim", "~posterior", "~divergence", 'estimator.kind="exact-score"']
+        + ["~estimator.inner_steps", "~estimator.unroll_steps", "~optim.posterior", 'run.precision="bf16"'],
+    ),
     "VaGES-MDSM, 5 Langevin steps on h, cosine": (
         "digits_bimdsm.toml",
         ['estimator.kind="vages"', "~estimator.unroll_steps", "estimator.n_samples=2", "estimator.langevin_steps=5"]
