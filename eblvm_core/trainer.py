@@ -42,6 +42,8 @@ def step_precision(device_type: str, precision: str) -> contextlib.AbstractConte
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
 
 
