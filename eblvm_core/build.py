@@ -113,6 +113,19 @@ def subnormals_flushed(device: torch.device) -> Iterator[None]:
             torch.set_flush_denormal(False)
 
 
+@contextmanager
+def cudnn_autotuned(device: torch.device, enabled: bool) -> Iterator[None]:
+    """On a CUDA device with ``enabled`` ([run] cudnn_benchmark), let cuDNN pick convolution
+    algorithms by timing them inside the block, then put the previous setting back."""
+    previous = torch.backends.cudnn.benchmark
+    if enabled and device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
 TOO_LARGE = ("Storage size calculation overflowed", "can't allocate memory", "out of memory", "negative dimension")
 
 

@@ -65,6 +65,11 @@ class RunConfig:
         "on a GPU, capture the training step in a CUDA graph and replay it (the same numbers, without the launch "
         "cost of many small kernels) when the estimator declares it safe; scheduled rates live in device tensors",
     )
+    cudnn_benchmark: bool = option(
+        False,
+        "on a GPU, let cuDNN time its convolution algorithms for the run's shapes and use the fastest (as "
+        "benchmarks/bench_deep.py does); the choice depends on timings, so two runs may differ in the last bits",
+    )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
     checkpoint_every: int = option(1000, "steps between checkpoints (one is also written at the end)", positive)
@@ -555,6 +560,7 @@ RESUMABLE = (
     "run.threads",
     "run.device",
     "run.cuda_graph",
+    "run.cudnn_benchmark",
     "data.root",
     "eval",
     "log",

@@ -27,6 +27,7 @@ from eblvm_core.build import (
     build,
     build_loggers,
     check_loggers,
+    cudnn_autotuned,
     pick_device,
     set_threads,
     subnormals_flushed,
@@ -230,7 +231,7 @@ def _train(
         if rank == 0:
             announce_run_dir(run_dir)
         trainer.run_dir = run_dir
-        with subnormals_flushed(device):
+        with subnormals_flushed(device), cudnn_autotuned(device, recipe.run.cudnn_benchmark):
             return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals, command)
     finally:
         for lock in locks:

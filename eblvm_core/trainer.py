@@ -264,6 +264,8 @@ class Trainer(RunState):
         run, device = self.recipe.run, self.parts.device
         if device.type != "cuda":
             return self.estimator.step
+        if run.cudnn_benchmark:
+            self.say("cuDNN: convolution algorithms chosen by timing ([run] cudnn_benchmark)")
         refusal = graph_refusal(self.estimator, self.built.schedules, device, self.world, run.precision, run.cuda_graph)
         if refusal is not None:
             self.say(f"CUDA graph: not used: {refusal}")

@@ -377,3 +377,21 @@ def test_a_role_whose_gradient_stays_zero_is_reported_once(write_recipe, tmp_pat
     run(recipe, out=tmp_path / "dead", echo=said.append)
     warned = [line for line in said if "stopped training" in line]
     assert len(warned) == 2 and "role 'model'" in warned[0] and "role 'posterior'" in warned[1], said
+
+
+def test_cudnn_autotuning_is_on_only_inside_a_cuda_run_that_asks_for_it():
+    """[run] cudnn_benchmark turns cuDNN's timing of algorithms on for a CUDA run's block and puts
+    the previous setting back, also when the block fails; a CPU run or a run without it leaves it."""
+    from eblvm_core.build import cudnn_autotuned
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert torch.backends.cudnn.benchmark is False  # torch's default, which the runs keep unless asked
+    seen = []
+    for device, enabled in [(cuda, True), (cuda, False), (cpu, True)]:
+        with cudnn_autotuned(device, enabled):
+            seen.append(torch.backends.cudnn.benchmark)
+        assert torch.backends.cudnn.benchmark is False
+    assert seen == [True, False, False]
+    with pytest.raises(RuntimeError, match="fails"), cudnn_autotuned(cuda, True):
+        raise RuntimeError("a block that fails")
+    assert torch.backends.cudnn.benchmark is False
