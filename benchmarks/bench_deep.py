@@ -2,6 +2,8 @@
 
     python benchmarks/bench_deep.py [--device cuda] [--steps 20] [--warmup 5] [--out table.md]
     python benchmarks/bench_deep.py --flops [--out flops.md]      # any device, the CPU will do
+    python benchmarks/bench_deep.py --peak [--out peak.md]        # the device's measured matmul rate
+    python benchmarks/bench_deep.py --profile [--cases 0 3] [--out profile.md]
 
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10-shaped data (no
 data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
@@ -11,6 +13,13 @@ case that ``eblvm run`` would replay from a CUDA graph (``graphs.graph_refusal``
 against it) is timed a second time, replayed (``graphs.GraphedStep``, the trainer's wrapper, with
 its scheduled rates in device tensors), on freshly built parts. Variants change the precision and
 the memory format. Compare numbers only within one run on one card.
+
+``--peak`` measures the rate the device reaches on one large square matrix product (fp32 with
+TF32 allowed, as cuDNN's convolutions run by default, and bf16; fp32 only on a CPU): the peak the
+FLOPs per update are divided by. ``--profile`` runs ``--steps`` eager steps of each case under
+``torch.profiler`` and writes, per case, the operators that take the most device time (CPU time
+on a CPU) with the profiler's totals: where a step's time goes, and how much of the wall time the
+device spends idle between kernels (what a CUDA graph removes).
 
 ``--flops`` counts instead the floating-point operations of one update of each distinct case
 (``torch.utils.flop_counter``'s formulas: matrix products and convolutions, forward and every backward
@@ -154,8 +163,7 @@ def time_case(
     def step() -> None:
         with step_precision(device.type, spec.run.precision):
             train_step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
 
     for _ in range(max(warmup, WARMUP_STEPS + 1) if graphed else warmup):  # a graph: warm-up calls and the capture
         step()
@@ -178,12 +186,18 @@ def main() -> None:
     parser.add_argument("--cases", type=int, nargs="*", default=None, help="indices of CASES to run (default all)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--flops", action="store_true", help="count each update's FLOPs instead of timing it")
+    parser.add_argument("--peak", action="store_true", help="measure the device's matrix-product rate")
+    parser.add_argument("--profile", action="store_true", help="profile --steps eager steps of each case")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.flops:
         return flops_table(device, args.out)
+    if args.peak:
+        return peak_table(device, args.out)
+    if args.profile:
+        return profile_table(device, args.steps, args.cases, args.out)
     torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest convolution algorithms
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    card = device_name(device)
     lines = [
         f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32. Released code and target:"
         " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
@@ -214,6 +228,90 @@ def main() -> None:
     print(table)
     if args.out:
         args.out.write_text(table + "\n")
+
+
+def peak_table(device: torch.device, out: Path | None, size: int = 8192, repeats: int = 20) -> None:
+    """TFLOP/s of a (size × size) @ (size × size) product on ``device``, the median of ``repeats``
+    timed products after warm-up: fp32 with TF32 allowed and bf16 on CUDA, fp32 on a CPU."""
+    if device.type != "cuda":
+        size, repeats = min(size, 2048), min(repeats, 5)
+    formats = [("fp32 (TF32 allowed)", torch.float32), ("bf16", torch.bfloat16)] if device.type == "cuda" else []
+    formats = formats or [("fp32", torch.float32)]
+    lines = [f"Measured matrix-product rate, {device_name(device)}, torch {torch.__version__}, {size} × {size}.", ""]
+    lines += ["| format | median (ms) | TFLOP/s |", "|---|---|---|"]
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for name, dtype in formats:
+            a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+            times = []
+            for i in range(repeats + 3):
+                synchronize(device)
+                start = time.perf_counter()
+                a @ b
+                synchronize(device)
+                if i >= 3:
+                    times.append(time.perf_counter() - start)
+            median = statistics.median(times)
+            lines.append(f"| {name} | {1000 * median:.2f} | {2 * size**3 / median / 1e12:.3g} |")
+            print(lines[-1], flush=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+    write(lines, out)
+
+
+def profile_case(recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int) -> tuple[float, str]:
+    """(wall seconds per step, the profiler's table of the top operators by self device time, or CPU
+    time on a CPU) of ``steps`` eager steps of one case, after two warm-up steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spec, built, batch = build_case(recipe, overrides, root, device)
+    on_gpu = device.type == "cuda"
+
+    def step() -> None:
+        with step_precision(device.type, spec.run.precision):
+            built.parts.estimator.step(batch)
+        synchronize(device)
+
+    for _ in range(2):
+        step()
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall = (time.perf_counter() - start) / steps
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    return wall, prof.key_averages().table(sort_by=key, row_limit=15)
+
+
+def profile_table(device: torch.device, steps: int, cases: list[int] | None, out: Path | None) -> None:
+    """``profile_case`` of each case (or of the ``cases`` indices) as markdown sections."""
+    lines = [f"Profiles of eager steps, {device_name(device)}, torch {torch.__version__}, batch 100.", ""]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = fake_cifar(Path(tmp))
+        for i, (name, recipe, overrides) in enumerate(CASES):
+            if cases is not None and i not in cases:
+                continue
+            wall, table = profile_case(recipe, overrides, root, device, steps)
+            lines += [f"### {name}: {1000 * wall:.1f} ms per step under the profiler ({steps} steps)", "", "```"]
+            lines += [table, "```", ""]
+            print("\n".join(lines[-5:]), flush=True)
+    write(lines, out)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def write(lines: list[str], out: Path | None) -> None:
+    print("\n".join(lines))
+    if out:
+        out.write_text("\n".join(lines) + "\n")
 
 
 def flops_table(device: torch.device, out: Path | None) -> None:
