@@ -93,7 +93,7 @@ def test_the_vae_term_and_the_latent_reconstruction_by_hand():
     torch.testing.assert_close(error, recon)
     z = torch.randn(7, 3, dtype=F64)
     expected = ((parts.posterior.mean(parts.generator(z)) - z) ** 2).sum(-1) / 3  # λ = 1/m
-    torch.testing.assert_close(est.latent_reconstruction(z, through_encoder=True), expected)
+    torch.testing.assert_close(est.latent_reconstruction(parts.generator(z), z, through_encoder=True), expected)
 
 
 def test_the_sigmoid_bias_term_weights_lower_energy_points_more():
@@ -122,7 +122,7 @@ def test_offset_and_not_offset_lower_levels_differ_by_the_latent_reconstruction_
     v = batch(parts)
     parts.estimator.vae_loss(v)  # consume the same random numbers as lower_step before z
     z = parts.estimator.prior(len(v), v)
-    term = parts.estimator.latent_reconstruction(z, through_encoder=True).mean()
+    term = parts.estimator.latent_reconstruction(parts.generator(z), z, through_encoder=True).mean()
     expected = torch.cat(
         [
             g.flatten()
@@ -290,3 +290,22 @@ def test_shared_prior_gives_both_levels_one_z(shared, monkeypatch):
     generated_from = [z for z in seen if any(torch.equal(z, d) for d in draws)]
     assert len(generated_from) >= 2  # the upper step's samples and the lower step's
     assert (len({id(d) for d in draws}) == 1) == shared
+
+
+def test_a_step_runs_the_generator_three_times_and_its_batch_norm_statistics_move_three_times():
+    """As in the released code: once for the upper level's samples, and in the lower level once on
+    q's draws (the reconstruction) and once on z ~ p(h), whose output both the energy term and the
+    latent reconstruction use. Batch norm's running statistics take one update per pass, so a
+    fourth pass on the same z would move them further (the lower level's code before this test)."""
+    parts = tiny_parts(order="upper-first", shared_prior=True)
+    est = parts.estimator
+    norms = [m for m in est.generator.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert norms, "the DCGAN generator has batch norm"
+    calls = []
+    hook = est.generator.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
+    try:
+        est.step(batch(parts))
+    finally:
+        hook.remove()
+    assert len(calls) == 3, calls
+    assert all(int(m.num_batches_tracked) == 3 for m in norms)

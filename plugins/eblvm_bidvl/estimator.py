@@ -112,16 +112,16 @@ class BiDVL(Estimator):
         error = squared_error(self.generator(h), v)
         return self.weights(v) * (error + gaussian_kl(mu, log_std)), error
 
-    def latent_reconstruction(self, z: Tensor, through_encoder: bool) -> Tensor:
-        """λ‖μ(G(z)) − z‖² per sample (B,); the encoder's parameters get its gradient only if ``through_encoder``."""
-        x = self.generator(z)
+    def latent_reconstruction(self, generated: Tensor, z: Tensor, through_encoder: bool) -> Tensor:
+        """λ‖μ(x) − z‖² per sample (B,) for x = G(z) given as ``generated`` (B, C, H, W); the encoder's
+        parameters get its gradient only if ``through_encoder``."""
         if through_encoder:
-            return self.latent_weight * squared_error(self.encoder.mean(x), z)
+            return self.latent_weight * squared_error(self.encoder.mean(generated), z)
         frozen = [p for p in self.encoder.parameters() if p.requires_grad]
         for p in frozen:
             p.requires_grad_(False)
         try:
-            return self.latent_weight * squared_error(self.encoder.mean(x), z)
+            return self.latent_weight * squared_error(self.encoder.mean(generated), z)
         finally:
             for p in frozen:
                 p.requires_grad_(True)
@@ -131,8 +131,8 @@ class BiDVL(Estimator):
         ``z`` (B, m) ~ p(h) for the generator's terms, drawn here when None."""
         vae, error = self.vae_loss(v)
         z = self.prior(len(v), v) if z is None else z
-        generated = self.generator(z)
-        latent = self.latent_reconstruction(z, through_encoder=self.cfg.upper == "not-offset")
+        generated = self.generator(z)  # one pass for both terms: batch norm updates its statistics once, as released
+        latent = self.latent_reconstruction(generated, z, through_encoder=self.cfg.upper == "not-offset")
         lower = vae.mean() + self.energy.energy(generated).mean() + latent.mean()
         params = {
             role: [p for p in self.optimizers[role].param_groups[0]["params"]] for role in ("encoder", "generator")
