@@ -121,15 +121,18 @@ class Conditioned:
         """E(x, h), the model's ``energy`` contract: from the cache when x is v, else in full."""
         return self(h) if self.conditions(x) else self.model.energy(x, h)
 
-    def detach(self) -> Conditioned:
-        """The same energy with the cache cut from the graph: θ (and v) get no gradient through it."""
+    def detach(self, v: Tensor | None = None) -> Conditioned:
+        """The same energy with the cache cut from the graph: θ (and v) get no gradient through it.
+        ``v``: the points it is then conditioned on, a tensor holding v's values (e.g.
+        ``v.detach()``); default v itself."""
         cache = self.cache
         if isinstance(cache, Tensor):
             cache = cache.detach()
         elif isinstance(cache, tuple):
             cache = tuple(c.detach() if isinstance(c, Tensor) else c for c in cache)
-        other = Conditioned(self.model, self.v, cache, self._evaluate)
-        other._version = self._version
+        other = Conditioned(self.model, self.v if v is None else v, cache, self._evaluate)
+        if v is None:
+            other._version = self._version
         return other
 
     def __getattr__(self, name: str) -> Any:

@@ -11,7 +11,15 @@ from eblvm_posteriors import BernoulliPosterior
 from eblvm_score.ksd import KSD
 from eblvm_score.objectives import DSM, SSM
 from eblvm_vages.critic import CriticConfig, FisherCritic
-from eblvm_vages.estimators import ISConfig, VaGESConfig, build_is_score, build_vaes, build_vages, joint_scores
+from eblvm_vages.estimators import (
+    ISConfig,
+    VaGESConfig,
+    build_is_score,
+    build_vaes,
+    build_vages,
+    joint_scores,
+    mean_joint_score,
+)
 
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts, exact_score
 from eblvm_core.errors import ConfigError
@@ -96,6 +104,64 @@ def test_vages_dsm_gradient_matches_the_exact_marginal_gradient(covariance):
         assert all(err < 0.03 for err in errors.values()), errors
     else:
         assert errors["W"] > 0.1 and errors["c"] > 0.1, errors  # the covariance part is what makes it right
+
+
+class Unconditioned(EnergyModel):
+    """The same energy without ``condition``: every (x, h) pair is evaluated in full."""
+
+    def __init__(self, model: EnergyModel):
+        super().__init__()
+        self.model, self.latent = model, model.latent
+
+    def energy(self, v, h):
+        return self.model.energy(v, h)
+
+
+@pytest.mark.parametrize("covariance", [True, False])
+def test_vages_through_the_features_once_equals_the_evaluation_on_every_pair(covariance):
+    """On a tiny ResNet EBLVM (float64), the surrogate that runs the features f(x) once for the L
+    samples (ŝ = J_fᵀG, zᵀ∇_x log p̃ per sample through J_f z) gives the scores, log p̃, the
+    covariance coefficients and the θ-gradient of the evaluation on the L·B points."""
+    from eblvm_core.testing import make
+
+    torch.manual_seed(0)
+    images = torch.rand(12, 1, 8, 8)
+    parts = Parts(dtype=torch.float64, data=DataSplits(train=images, test=images[:4]))
+    model = make("models", "resnet-eblvm", parts, width=4, blocks=1, stages=2, latent_dim=3).double()
+    parts.model = model
+    parts.posterior = make("posteriors", "gaussian-conv3", parts, channels=4).double()
+    parts.objective = DSM(sigma=0.3)
+    parts.divergence = lambda *a: None
+    x, eps = parts.objective.points(images[:5])
+    h, z = torch.randn(3, 5, 3), torch.randn(5, 1, 8, 8)
+    full_model = Unconditioned(model)
+    assert model.has_conditioning and not full_model.has_conditioning
+    fast, full = mean_joint_score(model, x, h), mean_joint_score(full_model, x, h)
+    torch.testing.assert_close(fast[0], full[0])
+    torch.testing.assert_close(fast[1], full[1])
+    torch.testing.assert_close(fast[2](z), full[2](z))
+    assert float(fast[2](z).std(0).abs().mean()) > 1e-3  # the samples' coefficients differ: the check can fail
+
+    build = build_vages if covariance else build_vaes
+    cfg = VaGESConfig(n_samples=3, inner_steps=0)
+    estimates = []
+    for energy in (model, full_model):
+        estimator = build(cfg, parts_for_model(parts, energy))
+        surrogate, _ = estimator.surrogate(x, eps, h)
+        estimates.append(torch.autograd.grad(surrogate, list(model.parameters())))
+    for a, b in zip(*estimates):
+        torch.testing.assert_close(a, b)
+
+
+def parts_for_model(parts: Parts, model: EnergyModel) -> Parts:
+    return Parts(
+        dtype=parts.dtype,
+        data=parts.data,
+        model=model,
+        posterior=parts.posterior,
+        objective=parts.objective,
+        divergence=parts.divergence,
+    )
 
 
 def test_vages_small_l_is_unbiased_on_average():

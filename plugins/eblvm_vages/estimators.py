@@ -5,13 +5,15 @@ from L posterior samples, ŝ(x) = (1/L) Σ_l ∇_x log p̃(x, h_l) (VaES), and i
 (1/L) Σ_l ∂∇_x log p̃(x, h_l)/∂θ + Cov_q(∇_x log p̃(x, h), ∇_θ log p̃(x, h)) (VaGES). The
 posterior is fitted by K lower-level steps per batch, as in BiSM, without unrolling. A model
 that conditions on v (``EnergyModel.condition``) has its features of x computed once per step,
-without a graph, for the K lower-level steps and the Langevin steps on h (θ gets no gradient
-from either); the surrogate evaluates E in full, once, for the L samples.
+with their graph: cut from it for the K lower-level steps and the Langevin steps on h (θ gets no
+gradient from either), whole for the surrogate, where ``mean_joint_score`` takes the L samples'
+scores through that one pass of the features instead of L passes.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -35,6 +37,42 @@ def joint_scores(model: EnergyModel, x: Tensor, h: Tensor) -> tuple[Tensor, Tens
     log_joint = -model.energy(xl, h.reshape(n * b, -1))
     (grad,) = torch.autograd.grad(log_joint.sum(), xl, create_graph=True)
     return grad.view(n, *x.shape), log_joint.view(n, b)
+
+
+def mean_joint_score(
+    model: EnergyModel | Conditioned, x: Tensor, h: Tensor
+) -> tuple[Tensor, Tensor, Callable[[Tensor], Tensor]]:
+    """(ŝ, log p̃(x, h_l) (L, B), a): ŝ = (1/L) Σ_l ∇_x log p̃(x, h_l), shaped like x, with the graph
+    to θ kept; ``a(z)`` = [zᵀ∇_x log p̃(x, h_l)]_l (L, B) for a constant z shaped like x, without a
+    graph (the covariance term's coefficients). h (L, B, m) is a constant. ``model`` may come
+    conditioned on x already, with its graph (x then a leaf that requires grad); otherwise x is
+    detached inside.
+
+    A model that conditions on x through one feature tensor F = f(x) (B, ...) runs f once for the L
+    samples: with G = (1/L) Σ_l ∂log p̃(x, h_l)/∂F (the head only), ŝ = J_fᵀ G, and zᵀ∇_x log p̃(x, h_l)
+    = (∂log p̃(x, h_l)/∂F) · J_f z, where J_f z = ∂(zᵀŝ)/∂G comes back through ŝ's graph. Any other
+    model is evaluated on the L·B points (``joint_scores``).
+    """
+    n = h.shape[0]
+    if isinstance(model, Conditioned) and model.conditions(x) and x.requires_grad:
+        xg, conditioned = x, model
+    else:
+        xg = x.detach().requires_grad_(True)
+        conditioned = condition_on(model, xg)
+    if not (isinstance(conditioned, Conditioned) and isinstance(conditioned.cache, Tensor)):
+        grads, log_joint = joint_scores(conditioned.model if isinstance(conditioned, Conditioned) else model, x, h)
+        return grads.mean(0), log_joint, lambda z: (grads.detach() * z).flatten(2).sum(-1)
+    features = conditioned.cache
+    log_joint = -conditioned(h)
+    (mean_feature_grad,) = torch.autograd.grad(log_joint.sum() / n, features, create_graph=True)
+    (score,) = torch.autograd.grad(features, xg, mean_feature_grad, create_graph=True)
+
+    def directional(z: Tensor) -> Tensor:
+        (jz,) = torch.autograd.grad(score, mean_feature_grad, z, retain_graph=True)  # J_f z
+        per_sample = [torch.autograd.grad(log_joint[i].sum(), features, retain_graph=True)[0] for i in range(n)]
+        return torch.stack([(w * jz).flatten(1).sum(-1) for w in per_sample])
+
+    return score, log_joint, directional
 
 
 def langevin_correct(
@@ -128,32 +166,39 @@ class VariationalScore(Estimator):
             )
         return h
 
-    def surrogate(self, x: Tensor, context: Any, h: Tensor) -> tuple[Tensor, Tensor]:
+    def surrogate(
+        self, x: Tensor, context: Any, h: Tensor, energy: EnergyModel | Conditioned | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(surrogate, objective value): the surrogate's θ-gradient is z · (VaGES estimate of ∂s/∂θ).
 
         z = ∂F/∂s at s = VaES (a constant); surrogate = Σ_b z_b·ŝ_b + (1/(L−1)) Σ_{l,b}
         stopgrad(a_lb − ā_b) log p̃(x_b, h_lb) with a_lb = z_b·∇_x log p̃(x_b, h_lb).
         """
-        grads, log_joint = joint_scores(self.model, x, h)
-        s = grads.mean(0)
+        s, log_joint, directional = mean_joint_score(self.model if energy is None else energy, x, h)
         s_const = s.detach().requires_grad_(True)
         value = self.objective.loss_at(x.detach(), s_const, context).mean()
         (z,) = torch.autograd.grad(value, s_const)
         surrogate = (z * s).sum()
         if self.covariance:
-            a = (grads.detach() * z).flatten(2).sum(-1)  # (L, B)
+            a = directional(z)  # (L, B)
             centred = a - a.mean(0, keepdim=True)
             surrogate = surrogate + (centred * log_joint).sum() / (h.shape[0] - 1)
         return surrogate, value.detach()
 
     def step(self, batch: Tensor) -> dict[str, float]:
-        """batch (B, d) -> metrics: K posterior updates, then one θ update along VaGES."""
+        """batch (B, d) -> metrics: K posterior updates, then one θ update along VaGES. A model that
+        conditions on x has its features f(x) computed once, with their graph: detached for the
+        lower level and the Langevin steps on h, whole for the surrogate."""
         x, context = self.objective.points(batch)
-        energy = self.model
-        if self.cfg.inner_steps or self.cfg.langevin_steps:  # f(x) once for the lower level and Langevin
-            energy = condition_on(self.model, x, graph=False)
-        metrics = self.fit_posterior(x, energy)
-        surrogate, value = self.surrogate(x, context, self.posterior_samples(x, energy))
+        x = x.detach()
+        if self.model.has_conditioning:
+            points = x.detach().requires_grad_(True)
+            whole = condition_on(self.model, points)
+            lower = whole.detach(x)
+        else:
+            points, whole, lower = x, self.model, self.model
+        metrics = self.fit_posterior(x, lower)
+        surrogate, value = self.surrogate(points, context, self.posterior_samples(x, lower), whole)
         apply_update(self.optimizers["model"], surrogate)
         metrics["loss"] = value
         return metrics
