@@ -8,7 +8,8 @@
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10- or MNIST-shaped
 data (no data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
 synchronising the device after each; reported: the median and the 10th/90th percentiles of the
-step times, and the peak memory the device allocated during the timed steps. On a CUDA device a
+step times, the peak memory the device allocated during the timed steps, and how much of it is
+parameters, gradients and optimizer states (the rest: activations and workspaces). On a CUDA device a
 case that ``eblvm run`` would replay from a CUDA graph (``graphs.graph_refusal`` finds no reason
 against it) is timed a second time, replayed (``graphs.GraphedStep``, the trainer's wrapper, with
 its scheduled rates in device tensors), on freshly built parts. Variants change the precision and
@@ -162,9 +163,10 @@ def count_flops(recipe: str, overrides: list[str], root: Path, device: torch.dev
 
 def time_case(
     recipe: str, overrides: list[str], root: Path, device: torch.device, steps: int, warmup: int, graphed: bool
-) -> tuple[list[float], int] | None:
-    """Step times (s) and peak memory (bytes) of one case, eager or (``graphed``) replayed from a CUDA
-    graph; None when graphed and the trainer would not capture this case's step."""
+) -> tuple[list[float], int, int] | None:
+    """Step times (s), peak memory and the bytes of parameters, gradients and optimizer states
+    (``state_bytes``) of one case, eager or (``graphed``) replayed from a CUDA graph; None when
+    graphed and the trainer would not capture this case's step."""
     spec, built, batch = build_case(recipe, overrides, root, device)
     estimator = built.parts.estimator
     train_step = estimator.step
@@ -190,7 +192,22 @@ def time_case(
         step()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return times, peak
+    return times, peak, state_bytes(estimator.optimizers.values())
+
+
+def state_bytes(optimizers: Any) -> int:
+    """Bytes of what lives across steps: the optimized parameters, their gradients and the
+    optimizers' states (Adam's moments); the rest of a step's peak is its activations and workspaces."""
+    tensors: dict[int, Tensor] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tensors[id(p)] = p
+                if p.grad is not None:
+                    tensors[id(p.grad)] = p.grad
+        for state in optimizer.state.values():
+            tensors.update({id(t): t for t in state.values() if isinstance(t, Tensor)})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def main() -> None:
@@ -222,9 +239,10 @@ def main() -> None:
         f"{'off' if args.no_cudnn_benchmark else 'on'}. Released code and target:"
         " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
         "",
-        "| case | step | median step (ms) | p10-p90 (ms) | peak memory (GiB) "
-        "| released code, H100 (ms) | eblvm / released | released peak (GiB) | target, H100 (ms) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | step | median step (ms) | p10-p90 (ms) | peak memory (GiB) | of which parameters, gradients, "
+        "optimizer states (GiB) | released code, H100 (ms) | eblvm / released | released peak (GiB) "
+        "| target, H100 (ms) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         root = fake_cifar(Path(tmp))
@@ -235,13 +253,13 @@ def main() -> None:
                 timed = time_case(recipe, overrides, root, device, args.steps, args.warmup, graphed)
                 if timed is None:
                     continue
-                times, peak = timed
+                times, peak, state = timed
                 ms = sorted(1000 * t for t in times)
                 deciles = statistics.quantiles(ms, n=10)
                 median = statistics.median(ms)
                 lines.append(
                     f"| {name} | {'graph' if graphed else 'eager'} | {median:.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} "
-                    f"| {peak / 2**30:.2f} | {reference_columns(name, median, device.type == 'cuda')} |"
+                    f"| {peak / 2**30:.2f} | {state / 2**30:.2f} | {reference_columns(name, median, device.type == 'cuda')} |"
                 )
                 print(lines[-1], flush=True)
     table = "\n".join(lines)
