@@ -74,6 +74,7 @@ CASES = [
     ("BiDVL, SNGAN ResNets, hinge (N=1), fp32", "cifar10_bidvl_resnet.toml", []),
     ("MNIST BiMDSM (K=5, N=0), fp32", "mnist_bimdsm.toml", []),
     ("MNIST MDSM (exact score), fp32", "mnist_mdsm.toml", []),
+    ("MNIST BiMDSM (K=5, N=0), bf16", "mnist_bimdsm.toml", ['run.precision="bf16"']),
 ]
 
 
