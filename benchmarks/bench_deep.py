@@ -230,10 +230,10 @@ def main() -> None:
         return flops_table(device, args.cases, args.out)
     if args.peak:
         return peak_table(device, args.out)
-    if args.profile:
-        return profile_table(device, args.steps, args.cases, args.out)
     # fixed shapes: let cuDNN time its convolution algorithms and keep the fastest ([run] cudnn_benchmark)
     torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
+    if args.profile:
+        return profile_table(device, args.steps, args.cases, args.out)
     card = device_name(device)
     lines = [
         f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32 (MNIST 1×32×32); cuDNN autotuning "
