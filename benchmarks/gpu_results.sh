@@ -2,7 +2,9 @@
 # What issues 23 and 24 still need from a GPU, in one lease, packed into WORK/pack.tar.gz by a deadline:
 #   bash benchmarks/gpu_prepare.sh SHARED_DATA .gpudata    # here, before the lease (data and wheels)
 #   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES]   # on the GPU machine, .gpudata carried
-# PHASES: "alone side" (default), or one of them per call (two calls of about 300 s each).
+# PHASES: "alone side" (default), or one of them per call (two calls of about 300 s each). Keep
+# WORK outside the lease's $OUT and copy back only WORK/pack.tar.gz and WORK/job.log (a lease
+# returns a handful of files): ... && cp /tmp/w/pack.tar.gz /tmp/w/job.log "$OUT"/
 # DATA holds cifar/ (the CIFAR-10 subset's .npz), MNIST/raw/ and whl/ (wheels of the pure-Python
 # dependencies the machine lacks, installed into /tmp/site). Every number is the programs' own
 # output (logs, tables, metrics.jsonl); nothing is typed in. In order of what the issues need:
