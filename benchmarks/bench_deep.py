@@ -263,10 +263,7 @@ def main() -> None:
                     f"| {peak / 2**30:.2f} | {state / 2**30:.2f} | {reference_columns(name, median, device.type == 'cuda')} |"
                 )
                 print(lines[-1], flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        args.out.write_text(table + "\n")
+    write(lines, args.out)
 
 
 def peak_table(device: torch.device, out: Path | None, size: int = 8192, repeats: int = 20) -> None:
@@ -370,9 +367,7 @@ def flops_table(device: torch.device, cases: list[int] | None, out: Path | None)
                 f"| {name.removesuffix(', fp32')} | {count_flops(recipe, overrides, root, device) / 1e9:.1f} |"
             )
             print(lines[-1], flush=True)
-    print("\n".join(lines))
-    if out:
-        out.write_text("\n".join(lines) + "\n")
+    write(lines, out)
 
 
 if __name__ == "__main__":

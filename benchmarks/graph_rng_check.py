@@ -27,13 +27,13 @@ CUDA = torch.device("cuda")
 STEPS = 10
 
 
-def small_step():
-    """The failing test's step: (parameters, optimizer, step(batch) -> metrics with its noise)."""
-    p = torch.zeros(3, device=CUDA, requires_grad=True)
+def small_step(size: int = 3):
+    """The failing test's step (size 3): (parameters, optimizer, step(batch) -> metrics with its noise)."""
+    p = torch.zeros(size, device=CUDA, requires_grad=True)
     opt = torch.optim.Adam([p], lr=0.1, fused=True)
 
     def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        noise = torch.randn(3, device=CUDA)
+        noise = torch.randn(size, device=CUDA)
         loss = ((p - batch - noise) ** 2).sum()
         apply_update(opt, loss)
         return {"loss": loss.detach(), "noise": noise.clone()}
@@ -74,15 +74,8 @@ def compare(label: str) -> None:
 
 
 def other_graph() -> GraphedStep:
-    """A graph of another step (randn of 1,000), captured and replayed a few times."""
-    p = torch.zeros(1000, device=CUDA, requires_grad=True)
-    opt = torch.optim.Adam([p], lr=0.1, fused=True)
-
-    def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
-        loss = ((p - batch - torch.randn(1000, device=CUDA)) ** 2).sum()
-        apply_update(opt, loss)
-        return {"loss": loss.detach()}
-
+    """A graph of another step (``small_step`` of size 1,000), captured and replayed a few times."""
+    _, opt, step = small_step(1000)
     graphed = GraphedStep(step, {"model": opt}, print)
     for _ in range(8):
         graphed(torch.zeros(1000, device=CUDA))

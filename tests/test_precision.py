@@ -150,22 +150,16 @@ GRADIENT_COSINE = 0.99
 LOSS_TOLERANCE = 0.02
 
 
-def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, batch_size: int = 32):
-    """One step of ``case`` from seed 0's parameters and the step's own seed ``seed``:
-    (estimator, every gradient handed to an optimizer as a flat float32 vector, metrics as
-    floats, the objective's (points, context) or None). Nothing is stepped."""
-    import importlib
-    import sys
+def built_step(recipe: str, overrides: list[str], device: torch.device, batch_size: int):
+    """(estimator, its first batch) of a bundled recipe with seed 0's parameters; the digits EBLVM's
+    head scaled by HEAD_SCALE."""
     from pathlib import Path
 
     from eblvm_core.build import build
     from eblvm_core.checkpoint import seed_everything
     from eblvm_core.data import Batches
-    from eblvm_core.optim import optimizer_params
     from eblvm_core.recipe import load_recipe
-    from eblvm_core.trainer import step_precision
 
-    recipe, overrides, _, _ = DEEP_CASES[case]
     spec = load_recipe(
         Path(__file__).resolve().parents[1] / "recipes" / recipe, [*overrides, f"run.batch_size={batch_size}", "~eval"]
     )
@@ -175,7 +169,21 @@ def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, ba
     if recipe == "digits_bimdsm.toml":
         with torch.no_grad():
             estimator.model.head.linear.weight.mul_(HEAD_SCALE)
-    batch = Batches(built.parts.data, batch_size, 0, device, built.parts.dtype).next()
+    return estimator, Batches(built.parts.data, batch_size, 0, device, built.parts.dtype).next()
+
+
+def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, batch_size: int = 32):
+    """One step of ``case`` from seed 0's parameters and the step's own seed ``seed``:
+    (estimator, every gradient handed to an optimizer as a flat float32 vector, metrics as
+    floats, the objective's (points, context) or None). Nothing is stepped."""
+    import importlib
+    import sys
+
+    from eblvm_core.optim import optimizer_params
+    from eblvm_core.trainer import step_precision
+
+    recipe, overrides, _, _ = DEEP_CASES[case]
+    estimator, batch = built_step(recipe, overrides, device, batch_size)
     gradients: list[torch.Tensor] = []
 
     def record(optimizer, loss=None):
@@ -309,21 +317,8 @@ def test_the_step_precision_region_runs_each_forward_at_the_current_weights():
 def applied_step_updates(region, seed: int) -> dict[str, torch.Tensor]:
     """One BiMDSM step (K = 5 lower steps, posterior rate 1e-2) on digits, updates applied, run
     in ``region``: each role's parameter change, flattened."""
-    from pathlib import Path
-
-    from eblvm_core.build import build
-    from eblvm_core.checkpoint import seed_everything
-    from eblvm_core.data import Batches
-    from eblvm_core.recipe import load_recipe
-
-    overrides = ["estimator.inner_steps=5", "optim.posterior.lr=1e-2", "run.batch_size=32", "~eval"]
-    spec = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "digits_bimdsm.toml", overrides)
-    seed_everything(0)
-    built = build(spec, torch.device("cpu"))
-    estimator = built.parts.estimator
-    with torch.no_grad():
-        estimator.model.head.linear.weight.mul_(HEAD_SCALE)
-    batch = Batches(built.parts.data, 32, 0, torch.device("cpu"), built.parts.dtype).next()
+    overrides = ["estimator.inner_steps=5", "optim.posterior.lr=1e-2"]
+    estimator, batch = built_step("digits_bimdsm.toml", overrides, torch.device("cpu"), 32)
 
     def flat(opt) -> torch.Tensor:
         return torch.cat([p.detach().flatten().clone() for group in opt.param_groups for p in group["params"]])

@@ -146,22 +146,11 @@ def test_vages_through_the_features_once_equals_the_evaluation_on_every_pair(cov
     cfg = VaGESConfig(n_samples=3, inner_steps=0)
     estimates = []
     for energy in (model, full_model):
-        estimator = build(cfg, parts_for_model(parts, energy))
+        estimator = build(cfg, parts_for(energy, parts.posterior, parts.objective, parts.divergence, parts.data))
         surrogate, _ = estimator.surrogate(x, eps, h)
         estimates.append(torch.autograd.grad(surrogate, list(model.parameters())))
     for a, b in zip(*estimates):
         torch.testing.assert_close(a, b)
-
-
-def parts_for_model(parts: Parts, model: EnergyModel) -> Parts:
-    return Parts(
-        dtype=parts.dtype,
-        data=parts.data,
-        model=model,
-        posterior=parts.posterior,
-        objective=parts.objective,
-        divergence=parts.divergence,
-    )
 
 
 def test_vages_small_l_is_unbiased_on_average():
