@@ -1,7 +1,8 @@
 """BiDVL: each loss term against a hand computation, the encoder's variance bound, the offset and
 not-offset objectives differing by exactly the paper's terms (on gradients), the hinge form keeping
-energies bounded where the plain form drifts, each role moving only in its own level, and the
-evaluators (reconstruction RMSE, OOD AUROC) against direct computations."""
+energies bounded where the plain form drifts, each role moving only in its own level, two whole
+updates against the released code's procedure written out independently, and the evaluators
+(reconstruction RMSE, OOD AUROC) against direct computations."""
 
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ def test_the_encoders_variance_stays_below_one():
     _, log_std = encoder.params(batch(parts))
     assert (log_std < 0).all()  # log σ² = −softplus(raw) < 0 whatever the raw output
     assert (log_std[:, 0] > -1e-12).all() and (log_std[:, 2] < -20).all()  # σ → 1 from below, and small
+
+
+def test_the_free_encoder_variance_head_is_the_released_codes_log_variance():
+    """Unbounded, the head's variance half is log σ² (gekanFAE/BiDVL's conv encoder: h = μ + e^{r/2}·ε),
+    not log σ: Adam moves r by about the rate per step, so the scale sets how fast σ learns."""
+    parts = tiny_parts()
+    encoder = make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3, bounded_variance=False).double()
+    r = torch.tensor([-3.0, 0.5, 2.0], dtype=F64)
+    with torch.no_grad():
+        encoder.head.weight[3:] = 0.0
+        encoder.head.bias[3:] = r
+    _, log_std = encoder.params(batch(parts))
+    torch.testing.assert_close((2 * log_std).exp(), r.exp().expand_as(log_std))  # σ² = e^r
 
 
 def test_the_vae_term_and_the_latent_reconstruction_by_hand():
@@ -309,3 +323,71 @@ def test_a_step_runs_the_generator_three_times_and_its_batch_norm_statistics_mov
         hook.remove()
     assert len(calls) == 3, calls
     assert all(int(m.num_batches_tracked) == 3 for m in norms)
+
+
+def released_update(energy, encoder, generator, optimizers, v: torch.Tensor) -> None:
+    """One update as gekanFAE/BiDVL's train_cifar_BiDVL.py makes it, written out from its
+    description (not eblvm's code): z ~ N(0, I); the energy step on mean E(v) − mean E(G(z)) with
+    G(z) held fixed; then one lower step on E(G(z)) + ‖μ(G(z)) − z‖²/(B·m) (the encoder frozen in
+    that term) + 0.05·(‖G(h) − v‖²/B + mean KL), h = μ + e^{r/2}ε from the encoder's head [μ, r]."""
+    b, m = len(v), generator.latent_dim
+    z = torch.randn(b, m, dtype=v.dtype)
+    generated = generator(z).detach()
+    upper = energy.energy(v).mean() - energy.energy(generated).mean()
+    optimizers["energy"].zero_grad()
+    upper.backward()
+    optimizers["energy"].step()
+
+    def moments(x):
+        return encoder.head(encoder.trunk(x)).chunk(2, dim=-1)  # μ and log σ², read off the head
+
+    mu, log_var = moments(v)
+    h = mu + torch.exp(0.5 * log_var) * torch.randn_like(log_var)
+    recon = ((generator(h) - v) ** 2).sum() / b
+    kl = (-0.5 * (log_var - mu**2 - log_var.exp() + 1).sum(-1)).mean()
+    generated = generator(z)
+    energy_term = energy.energy(generated).mean()
+    encoder.requires_grad_(False)
+    mu_hat, _ = moments(generated)
+    encoder.requires_grad_(True)
+    latent = ((mu_hat - z) ** 2).sum() / b / m
+    lower = energy_term + latent + 0.05 * (recon + kl)
+    for role in ("encoder", "generator"):
+        optimizers[role].zero_grad()
+    lower.backward()
+    for role in ("encoder", "generator"):
+        optimizers[role].step()
+
+
+def test_two_updates_equal_the_released_codes_on_the_same_weights_and_draws():
+    """The bundled conv recipes' settings (upper step first, one shared z, a free log σ² head,
+    Adam (0, 0.9), rates 1e-4 and 3e-4, weight decay 1e-4 on encoder and generator) give, after two
+    updates, the parameters and batch-norm statistics of the released procedure (float64; the
+    energy in eval mode, so spectral norm's power iteration, which the released code runs once
+    more per update on an unused value, is left out of the comparison)."""
+    parts = tiny_parts(order="upper-first", shared_prior=True)
+    est = parts.estimator
+    nets = {"energy": parts.model, "encoder": parts.posterior, "generator": parts.generator}
+    nets["energy"].eval()
+    copies = {role: copy.deepcopy(net) for role, net in nets.items()}
+
+    def adams(modules):
+        return {
+            "energy": torch.optim.Adam(modules["energy"].parameters(), lr=1e-4, betas=(0.0, 0.9)),
+            **{
+                role: torch.optim.Adam(modules[role].parameters(), lr=3e-4, betas=(0.0, 0.9), weight_decay=1e-4)
+                for role in ("encoder", "generator")
+            },
+        }
+
+    est.optimizers = adams(nets)
+    reference = adams(copies)
+    v = batch(parts)
+    for seed in (5, 6):
+        torch.manual_seed(seed)
+        est.step(v)
+        torch.manual_seed(seed)
+        released_update(copies["energy"], copies["encoder"], copies["generator"], reference, v)
+    for role, net in nets.items():
+        for (name, mine), theirs in zip(net.state_dict().items(), copies[role].state_dict().values()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12, msg=f"{role}.{name}")

@@ -282,22 +282,31 @@ def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
 
 
 class GaussianPosterior(Posterior):
-    """q(h|v) = N(μ(v), diag σ(v)²): ``trunk`` maps v to features, one linear ``head`` to [μ, log σ].
+    """q(h|v) = N(μ(v), diag σ(v)²): ``trunk`` maps v to features, one linear ``head`` to [μ, r].
 
-    With ``bounded_variance`` the head's second half is a raw r and log σ² = −softplus(r) < 0:
-    every variance stays below 1 (BiDVL's encoder).
+    ``variance`` says what the head's second half r is: "log-std" r = log σ; "log-var" r = log σ²
+    (BiDVL's released conv encoder); "bounded" log σ² = −softplus(r) < 0, every variance below 1
+    (BiDVL's released ResNet encoder).
     """
 
-    def __init__(self, trunk: nn.Module, n_features: int, n_latent: int, bounded_variance: bool = False):
+    def __init__(
+        self,
+        trunk: nn.Module,
+        n_features: int,
+        n_latent: int,
+        variance: Literal["log-std", "log-var", "bounded"] = "log-std",
+    ):
         super().__init__()
         self.trunk = trunk
         self.head = nn.Linear(n_features, 2 * n_latent)
-        self.bounded_variance = bounded_variance
+        self.variance = variance
 
     def params(self, v: Tensor) -> tuple[Tensor, Tensor]:
         """v (B, ...) -> (μ, log σ), each (B, m)."""
         mu, raw = self.head(self.trunk(v)).chunk(2, dim=-1)
-        return (mu, -0.5 * F.softplus(raw)) if self.bounded_variance else (mu, raw)
+        if self.variance == "log-var":
+            return mu, 0.5 * raw
+        return (mu, -0.5 * F.softplus(raw)) if self.variance == "bounded" else (mu, raw)
 
     @staticmethod
     def _sample(mu: Tensor, log_std: Tensor, n: int) -> Tensor:
@@ -444,7 +453,9 @@ class GaussianDCGANConfig:
         48, "channels of the first conv (doubled at each stride-2 conv; BiDVL's released code: 48)", positive
     )
     bounded_variance: bool = option(
-        False, "log σ² = −softplus(·): variances below 1 (BiDVL's ResNet encoder, appendix B; not its conv one)"
+        False,
+        "log σ² = −softplus(head): variances below 1 (BiDVL's ResNet encoder, appendix B); "
+        "false: the head is a free log σ² (its conv encoder)",
     )
     latent_dim: int | None = option(
         None, "m; default the model's latent dimension (required with a fully visible model)", positive
@@ -473,7 +484,7 @@ def build_gaussian_dcgan(cfg: GaussianDCGANConfig, parts: Parts) -> GaussianPost
         layers += [nn.Conv2d(c, 2 * c, 4, 2, 1, bias=False), nn.BatchNorm2d(2 * c), nn.LeakyReLU(0.2)]
         c, side = 2 * c, side // 2
     trunk = nn.Sequential(*layers, nn.Flatten())
-    posterior = GaussianPosterior(trunk, c * 16, m, cfg.bounded_variance)
+    posterior = GaussianPosterior(trunk, c * 16, m, "bounded" if cfg.bounded_variance else "log-var")
     for module in posterior.modules() if cfg.init_std is not None else ():
         if isinstance(module, (nn.Conv2d, nn.Linear)):  # the head is the released code's 4×4 convs
             nn.init.normal_(module.weight, 0.0, cfg.init_std)
