@@ -3,8 +3,9 @@
 #   bash benchmarks/gpu_prepare.sh SHARED_DATA .gpudata    # here, before the lease (data and wheels)
 #   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES]   # on the GPU machine, .gpudata carried
 # PHASES: "alone side" (default), or one of them per call (two calls of about 300 s each). Keep
-# WORK outside the lease's $OUT and copy back only WORK/pack.tar.gz and WORK/job.log (a lease
-# returns a handful of files): ... && cp /tmp/w/pack.tar.gz /tmp/w/job.log "$OUT"/
+# WORK outside the lease's $OUT and copy back only WORK/pack.tar.gz, WORK/job.log and, after
+# "side", WORK/samples_*.npz (a lease returns 8 files of at most 16 MiB):
+#   ... && cp /tmp/w/pack.tar.gz /tmp/w/job.log /tmp/w/samples_*.npz "$OUT"/
 # DATA holds cifar/ (the CIFAR-10 subset's .npz), MNIST/raw/ and whl/ (wheels of the pure-Python
 # dependencies the machine lacks, installed into /tmp/site). Every number is the programs' own
 # output (logs, tables, metrics.jsonl); nothing is typed in. In order of what the issues need:
@@ -15,7 +16,10 @@
 #      profile of three cases' eager steps;
 #   2. side by side until the deadline: cifar10_bidvl for 1,500 updates, seeds 0-2, with the
 #      released code's softplus on the energy and without it (identity), for test RMSE, AUROC and a
-#      live energy; benchmarks/graph_rng_check.py; tests/test_cuda.py.
+#      live energy, then 10,000 generator samples of each seed-0 run as 8-bit images in two
+#      files each, for FID here (python benchmarks/fid_offline.py score recipes/cifar10_bidvl.toml
+#      samples_identity.*.npz -o data.root=...: about 40 minutes on two CPU cores);
+#      benchmarks/graph_rng_check.py; tests/test_cuda.py.
 set -u
 work=$1 budget=$2 data=$3 phases=${4:-alone side}
 start=$(date +%s)
@@ -74,13 +78,20 @@ if [[ " $phases " == *" alone "* ]]; then
 fi
 if [[ " $phases " == *" side "* ]]; then
     say "side by side: the BiDVL sweep, the RNG check, the CUDA tests"
-    for activation in softplus identity; do
-        for seed in 0 1 2; do
-            name=bidvl_${activation}_s$seed
-            run $(($(left) - 60)) "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
-                -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
+    (
+        for activation in softplus identity; do
+            for seed in 0 1 2; do
+                name=bidvl_${activation}_s$seed
+                run $(($(left) - 100)) "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
+                    -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
+            done
         done
-    done
+        wait
+        for activation in softplus identity; do  # FID is scored off the lease (benchmarks/fid_offline.py)
+            run 40 "export_$activation" python3 benchmarks/fid_offline.py export \
+                "$work/runs/bidvl_${activation}_s0/cifar10_bidvl" "$work/samples_$activation" --parts 2 --sampler generator
+        done
+    ) &
     run 60 graph_rng_check python3 benchmarks/graph_rng_check.py &
     run $(($(left) - 60)) cuda_tests python3 -m pytest -q -p no:cacheprovider -n 2 -rfEs --durations=12 tests/test_cuda.py &
 fi
