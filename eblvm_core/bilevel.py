@@ -265,6 +265,11 @@ def condition_on(model: EnergyModel | Conditioned, x: Tensor, graph: bool = True
         return model.condition(x)
 
 
+def weighted_mean(values: Tensor, weights: Tensor | None) -> Tensor:
+    """mean w_i·values_i of (B,) values (0-d); None weights: the plain mean."""
+    return values.mean() if weights is None else (weights * values).mean()
+
+
 def fit_posterior(
     divergence: Any,
     model: EnergyModel | Conditioned,
@@ -272,8 +277,10 @@ def fit_posterior(
     optimizer: torch.optim.Optimizer,
     x: Tensor,
     steps: int,
+    weights: Tensor | None = None,
 ) -> dict[str, float]:
-    """``steps`` real updates of φ on the lower level G = mean D(q(h|x) ‖ p(h|x)); θ is not touched.
+    """``steps`` real updates of φ on the lower level G = mean w·D(q(h|x) ‖ p(h|x)) (``weights`` w
+    (B,), None: all 1); θ is not touched.
 
     The divergence gets ``condition_on(model, x, graph=False)``: a model that conditions has its
     features of x computed once for all the steps, outside the graph (θ gets no gradient here);
@@ -283,6 +290,6 @@ def fit_posterior(
     lower = None
     energy = condition_on(model, x, graph=False) if steps else model
     for _ in range(steps):
-        lower = divergence(energy, posterior, x).mean()
+        lower = weighted_mean(divergence(energy, posterior, x), weights)
         apply_update(optimizer, lower)
     return {} if lower is None else {"lower_loss": lower.detach()}

@@ -223,6 +223,11 @@ class ScoreObjective:
         """Per-sample losses (B',) from score values s at the points x (both (B', ...))."""
         raise NotImplementedError(f"{type(self).__name__} needs the score's Jacobian")
 
+    def point_weights(self, context: Any) -> Tensor | None:
+        """Weights w (B',) of the points in a bi-level estimator's lower level, G = mean w_i·D_i
+        (None: all 1), from ``points``' context."""
+        return None
+
 
 class Divergence:
     """A lower-level divergence D(q(h|v) ‖ p(h|v)), per sample, up to a constant in φ.

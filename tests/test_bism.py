@@ -111,6 +111,11 @@ def lg_setup(objective_name: str, divergence, batch: int = 40):
         "ssm": lambda: FixedSSM(batch, v.shape[1]),
         "dsm": lambda: DSM(0.3),
         "mdsm": lambda: MDSM(MDSMConfig(sigma_min=0.1, sigma_max=1.0, sigma0=0.3, weighting="inverse-variance")),
+        "mdsm-weighted-lower": lambda: MDSM(
+            MDSMConfig(
+                sigma_min=0.1, sigma_max=1.0, sigma0=0.3, weighting="inverse-variance", lower_weighting="inverse-sigma"
+            )
+        ),
     }
     objective = objectives[objective_name]()
     torch.manual_seed(0)
@@ -130,23 +135,25 @@ def implicit(parts: Parts, **kw) -> BiSMImplicit:
     return BiSMImplicit(parts, 1, functools.partial(conjugate_gradient, **kw))
 
 
-def largest_hessian_eigenvalue(est, x: torch.Tensor) -> float:
+def largest_hessian_eigenvalue(est, x: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     phi = list(est.phi.values())
-    grad = flat(torch.autograd.grad(est.lower(x), phi, create_graph=True))
+    grad = flat(torch.autograd.grad(est.lower(x, None, weights), phi, create_graph=True))
     hessian = torch.stack([flat(torch.autograd.grad(g, phi, retain_graph=True)) for g in grad])
     return float(torch.linalg.eigvalsh(hessian).max())
 
 
-@pytest.mark.parametrize("objective_name", ["ssm", "dsm", "mdsm"])
+@pytest.mark.parametrize("objective_name", ["ssm", "dsm", "mdsm", "mdsm-weighted-lower"])
 def test_theorem_1_hypergradients_match_the_exact_marginal_gradient(objective_name):
     """With q equal to the exact posterior, BiSM's implicit hypergradient equals the exact-score
-    gradient of the objective (BiMDSM's included), and unrolling converges to it as N grows."""
+    gradient of the objective (BiMDSM's included, with its lower level's points weighted by 1/σ_i
+    too: every D_i is 0 at φ*, so φ*(θ) does not depend on the weights), and unrolling converges
+    to it as N grows."""
     model, posterior, parts, x, context, exact = lg_setup(objective_name, Fisher())
     est = implicit(parts)
     grads, metrics = est.hypergradient(x, context)
     assert rel_err(flat(grads), exact) < 1e-8
     assert metrics["lower_loss"] < 1e-20 and metrics["solver_residual"] < 1e-12
-    step = 1.0 / largest_hessian_eigenvalue(est, x)
+    step = 1.0 / largest_hessian_eigenvalue(est, x, parts.objective.point_weights(context))
     torch.manual_seed(1)
     errors = [
         rel_err(flat(BiSMUnrolled(parts, 1, n, "sgd", step).hypergradient(x, context)[0]), exact)
@@ -297,6 +304,31 @@ def test_the_lower_level_and_the_posterior_see_the_noisy_points_of_dsm():
     assert len(seen) == 4
     assert all(torch.equal(s, seen[0]) for s in seen) and not torch.equal(seen[0], batch)
     assert (seen[0] - batch).std() == pytest.approx(0.5, rel=0.2)
+
+
+@pytest.mark.parametrize("estimator, call", [("unrolled-N0", 1), ("unrolled-sgd", 2), ("implicit-cg", 2)])  # K = 2
+@pytest.mark.parametrize("weighting", ["none", "inverse-sigma"])
+def test_mdsm_weights_each_lower_level_point_by_one_over_its_noise_level(estimator, call, weighting):
+    """``lower_weighting = "inverse-sigma"`` (the released BiSM and VaGES code divide the lower-level
+    divergence at x̃_i by σ_i): the K real steps and the hypergradient's lower level use
+    G = mean D_i/σ_i; the reported lower loss (from the K-th divergence call with N = 0, else from
+    the one after the K real steps) is that weighted mean of the per-point divergences."""
+    seen: list[torch.Tensor] = []
+
+    class Spy(Fisher):
+        def __call__(self, model, posterior, v):
+            seen.append(super().__call__(model, posterior, v))
+            return seen[-1]
+
+    cfg = MDSMConfig(sigma_min=0.1, sigma_max=3.0, schedule="geometric", spread="positions", lower_weighting=weighting)
+    parts = gaussian_parts(MDSM(cfg))
+    parts.divergence = Spy()
+    batch = parts.data.train[:50]
+    metrics = ESTIMATORS[estimator](parts).step(batch)
+    sigma = 0.1 * 30 ** torch.linspace(0, 1, 50, dtype=batch.dtype)  # spread over the positions
+    weights = 1 / sigma if weighting == "inverse-sigma" else torch.ones_like(sigma)
+    d = seen[call].detach()  # call 1: the K-th real step's (N = 0); call 2: the first after them
+    torch.testing.assert_close(torch.as_tensor(metrics["lower_loss"], dtype=d.dtype), (weights * d).mean())
 
 
 def test_adam_unroll_needs_an_adam_posterior_optimizer():

@@ -40,6 +40,7 @@ from eblvm_core.bilevel import (
     sgd_step,
     trainable,
     unflat,
+    weighted_mean,
 )
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import Conditioned, EnergyModel, Estimator, Parts, Posterior, ScoreField
@@ -107,10 +108,13 @@ class BiSM(Estimator):
             x = x.detach().requires_grad_(True)
         return x, self.model.condition(x)
 
-    def lower(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> Tensor:
-        """G(θ, φ) on the points x: scalar batch mean of the divergence (``energy``: the model
-        or its conditioned energy at x; default the model)."""
-        return self.divergence(self.model if energy is None else energy, self.posterior, x).mean()
+    def lower(
+        self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
+    ) -> Tensor:
+        """G(θ, φ) on the points x: scalar batch mean of the divergence, each point weighted by
+        ``weights`` (B,) (the objective's ``point_weights``; None: 1) (``energy``: the model or its
+        conditioned energy at x; default the model)."""
+        return weighted_mean(self.divergence(self.model if energy is None else energy, self.posterior, x), weights)
 
     def fisher_blocks(self, x: Tensor) -> Any:
         """The posterior's per-unit Fisher blocks at the current φ on x (linear Bernoulli logits),
@@ -122,9 +126,11 @@ class BiSM(Estimator):
         score = modified_score(self.model if energy is None else energy, self.posterior)
         return self.objective.loss(score, x, context).mean()
 
-    def fit_posterior(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> dict[str, float]:
-        """K real updates of φ on G with the posterior's optimizer; θ gets no gradient (a
-        conditioned energy is used detached)."""
+    def fit_posterior(
+        self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
+    ) -> dict[str, float]:
+        """K real updates of φ on G (points weighted by ``weights``) with the posterior's
+        optimizer; θ gets no gradient (a conditioned energy is used detached)."""
         return fit_posterior(
             self.divergence,
             self.model if energy is None else energy,
@@ -132,6 +138,7 @@ class BiSM(Estimator):
             self.optimizers["posterior"],
             x,
             self.inner_steps,
+            weights,
         )
 
     def hypergradient(
@@ -148,7 +155,7 @@ class BiSM(Estimator):
         """batch (B, d) -> metrics; K posterior updates, then one model update."""
         x, context = self.objective.points(batch)
         x, energy = self.condition(x)
-        metrics = self.fit_posterior(x, energy)
+        metrics = self.fit_posterior(x, energy, self.objective.point_weights(context))
         grads, more = self.hypergradient(x, context, energy)
         for p, g in zip(self.theta, grads):
             p.grad = g
@@ -223,17 +230,19 @@ class BiSMUnrolled(BiSM):
         return step
 
     def unrolled(
-        self, x: Tensor, energy: EnergyModel | Conditioned | None = None
+        self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
     ) -> tuple[dict[str, Tensor], Tensor | None]:
         """φ_N(θ) after N differentiable updates from the current φ, and G at the current φ (0-d).
 
         ``energy`` (the model or its conditioned energy at x, with its graph: ∂G/∂φ is a function
-        of θ through it) is evaluated by all N steps."""
+        of θ through it) is evaluated by all N steps; ``weights`` weight G's points."""
         params, lower_at_start = self.phi, None
         update = self._update_rule(x)
         ranks = distributed.active()  # asked once per step, not once per unrolled step
         for n in range(self.unroll_steps):
-            lower = self.functional.call(params, self.lower, x, energy) if n else self.lower(x, energy)
+            lower = (
+                self.functional.call(params, self.lower, x, energy, weights) if n else self.lower(x, energy, weights)
+            )
             if n == 0:
                 lower_at_start = lower.detach()
             grads = grads_or_zeros(lower, list(params.values()), create_graph=True)
@@ -245,7 +254,7 @@ class BiSMUnrolled(BiSM):
     ) -> tuple[list[Tensor], dict[str, Tensor]]:
         """dJ_Bi(θ, φ_N(θ))/dθ (Eq. 14) at the current φ; metrics as 0-d tensors (no host synchronisation)."""
         x, energy = self._energy(x, energy)
-        params, lower = self.unrolled(x, energy)
+        params, lower = self.unrolled(x, energy, self.objective.point_weights(context))
         if self.unroll_steps:
             upper = self.functional.call(params, self.upper, x, context, energy)
         else:
@@ -291,7 +300,7 @@ class BiSMImplicit(BiSM):
         """dJ_Bi(θ, φ*(θ))/dθ by the implicit function theorem, at the current φ."""
         x, energy = self._energy(x, energy)
         phi = list(self.phi.values())
-        lower = self.lower(x, energy)
+        lower = self.lower(x, energy, self.objective.point_weights(context))
         grad_phi = grads_or_zeros(lower, phi, create_graph=True)
         upper = self.upper(x, context, energy)
         # a conditioned energy's f(x) is shared with grad_phi, whose mixed product follows: keep its graph

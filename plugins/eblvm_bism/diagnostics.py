@@ -73,7 +73,7 @@ class GradientBias:
             local = parts.evolve(posterior=copy.deepcopy(parts.posterior))
             local.strict_roles = False  # the recipe's [optim.posterior] if any, else Adam at 1e-3
             estimator = BiSMUnrolled(local, k, 0, cfg.unroll, cfg.inner_lr)
-            estimator.fit_posterior(x)
+            estimator.fit_posterior(x, weights=parts.objective.point_weights(context))
             for n in cfg.unroll_steps:
                 estimator.unroll_steps = n
                 draws = []

@@ -114,6 +114,11 @@ class MDSMConfig:
         "none",
         "per-sample weight 1 (the paper's Eq. 5) or 1/σ_i² (the released code's loss divides the residual by σ_i)",
     )
+    lower_weighting: Literal["none", "inverse-sigma"] = option(
+        "none",
+        "weight of each point in a bi-level lower level (BiSM, VaGES): 1, or 1/σ_i (the released code divides "
+        "the lower-level divergence at x̃_i by σ_i)",
+    )
 
 
 class MDSM(ScoreObjective):
@@ -152,6 +157,10 @@ class MDSM(ScoreObjective):
         target = (sigma / self.cfg.sigma0**2).view(-1, *[1] * (eps.dim() - 1)) * eps
         loss = 0.5 * _per_sample((s + target) ** 2)
         return loss / sigma**2 if self.cfg.weighting == "inverse-variance" else loss
+
+    def point_weights(self, context: tuple[Tensor, Tensor]) -> Tensor | None:
+        """1/σ_i (B,) with ``lower_weighting = "inverse-sigma"``, else None (all 1)."""
+        return 1 / context[1] if self.cfg.lower_weighting == "inverse-sigma" else None
 
 
 def build_sm(cfg: NoConfig, parts: Parts) -> SM:

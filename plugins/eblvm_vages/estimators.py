@@ -140,9 +140,12 @@ class VariationalScore(Estimator):
             "posterior": parts.make_optimizer("posterior", [p for p in self.posterior.parameters() if p.requires_grad]),
         }
 
-    def fit_posterior(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> dict[str, float]:
-        """K updates of φ on the lower-level divergence at the points x; θ gets no gradient.
-        ``energy``: the model or its conditioned energy at x (default the model)."""
+    def fit_posterior(
+        self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
+    ) -> dict[str, float]:
+        """K updates of φ on the lower-level divergence at the points x (weighted by ``weights``
+        (B,), the objective's ``point_weights``); θ gets no gradient. ``energy``: the model or its
+        conditioned energy at x (default the model)."""
         return fit_posterior(
             self.divergence,
             self.model if energy is None else energy,
@@ -150,6 +153,7 @@ class VariationalScore(Estimator):
             self.optimizers["posterior"],
             x,
             self.cfg.inner_steps,
+            weights,
         )
 
     def posterior_samples(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> Tensor:
@@ -197,7 +201,7 @@ class VariationalScore(Estimator):
             lower = whole.detach(x)
         else:
             points, whole, lower = x, self.model, self.model
-        metrics = self.fit_posterior(x, lower)
+        metrics = self.fit_posterior(x, lower, self.objective.point_weights(context))
         surrogate, value = self.surrogate(points, context, self.posterior_samples(x, lower), whole)
         apply_update(self.optimizers["model"], surrogate)
         metrics["loss"] = value
