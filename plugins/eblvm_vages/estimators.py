@@ -27,15 +27,15 @@ from eblvm_core.errors import ConfigError
 from eblvm_core.optim import apply_update
 
 
-def joint_scores(model: EnergyModel, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    """∇_x log p̃(x, h_l) (L, *x.shape) with the graph to θ kept, and log p̃(x, h_l) (L, B).
+def joint_scores(model: EnergyModel, x: Tensor, h: Tensor, graph: bool = True) -> tuple[Tensor, Tensor]:
+    """∇_x log p̃(x, h_l) (L, *x.shape), with the graph to θ kept if ``graph``, and log p̃(x, h_l) (L, B).
 
     x (B, ...) is detached inside; h (L, B, m) is treated as a constant.
     """
     n, b = h.shape[:2]
     xl = x.detach().unsqueeze(0).expand(n, *x.shape).reshape(n * b, *x.shape[1:]).requires_grad_(True)
     log_joint = -model.energy(xl, h.reshape(n * b, -1))
-    (grad,) = torch.autograd.grad(log_joint.sum(), xl, create_graph=True)
+    (grad,) = torch.autograd.grad(log_joint.sum(), xl, create_graph=graph)
     return grad.view(n, *x.shape), log_joint.view(n, b)
 
 
@@ -73,6 +73,21 @@ def mean_joint_score(
         return torch.stack([(w * jz).flatten(1).sum(-1) for w in per_sample])
 
     return score, log_joint, directional
+
+
+def vaes_value(model: EnergyModel | Conditioned, x: Tensor, h: Tensor) -> Tensor:
+    """VaES (1/L) Σ_l ∇_x log p̃(x, h_l), shaped like x, as a value (no graph to θ); h (L, B, m).
+
+    Where ``model`` is conditioned on x (a leaf that requires grad) with one feature tensor, the
+    head is evaluated on the features and one vector-Jacobian product through f(x) gives the score,
+    keeping f's graph for the caller; any other model is evaluated on the L·B points."""
+    if isinstance(model, Conditioned) and model.conditions(x) and x.requires_grad and isinstance(model.cache, Tensor):
+        features = model.cache
+        (mean_feature_grad,) = torch.autograd.grad(-model(h).sum() / h.shape[0], features, retain_graph=True)
+        (score,) = torch.autograd.grad(features, x, mean_feature_grad, retain_graph=True)
+        return score.detach()
+    base = model.model if isinstance(model, Conditioned) else model
+    return joint_scores(base, x, h, graph=False)[0].mean(0).detach()
 
 
 def langevin_correct(
@@ -156,9 +171,9 @@ class VariationalScore(Estimator):
             weights,
         )
 
-    def posterior_samples(self, x: Tensor, energy: EnergyModel | Conditioned | None = None) -> Tensor:
-        """h_1..h_L ~ q(h|x) (L, B, m), exact draws, optionally Langevin-corrected; constants."""
-        h = self.posterior.sample(x.detach(), self.cfg.n_samples)
+    def posterior_samples(self, x: Tensor, energy: EnergyModel | Conditioned | None = None, n: int = 0) -> Tensor:
+        """h_1..h_n ~ q(h|x) (n, B, m) (n = 0: L), exact draws, optionally Langevin-corrected; constants."""
+        h = self.posterior.sample(x.detach(), n or self.cfg.n_samples)
         if self.cfg.langevin_steps:
             h = langevin_correct(
                 self.model if energy is None else energy,
@@ -171,15 +186,24 @@ class VariationalScore(Estimator):
         return h
 
     def surrogate(
-        self, x: Tensor, context: Any, h: Tensor, energy: EnergyModel | Conditioned | None = None
+        self,
+        x: Tensor,
+        context: Any,
+        h: Tensor,
+        energy: EnergyModel | Conditioned | None = None,
+        h_z: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """(surrogate, objective value): the surrogate's θ-gradient is z · (VaGES estimate of ∂s/∂θ).
 
-        z = ∂F/∂s at s = VaES (a constant); surrogate = Σ_b z_b·ŝ_b + (1/(L−1)) Σ_{l,b}
-        stopgrad(a_lb − ā_b) log p̃(x_b, h_lb) with a_lb = z_b·∇_x log p̃(x_b, h_lb).
+        z = ∂F/∂s at s = VaES of the samples ``h_z`` (L', B, m), or of ``h`` when None (a
+        constant); surrogate = Σ_b z_b·ŝ_b + (1/(L−1)) Σ_{l,b} stopgrad(a_lb − ā_b) log p̃(x_b, h_lb)
+        with ŝ the VaES of h and a_lb = z_b·∇_x log p̃(x_b, h_lb). z from samples of its own makes
+        the gradient unbiased where F is quadratic in s (DSM, MDSM, KSD) and q = p(h|x); from h
+        itself z and the estimate share their noise, a bias of order 1/L.
         """
-        s, log_joint, directional = mean_joint_score(self.model if energy is None else energy, x, h)
-        s_const = s.detach().requires_grad_(True)
+        model = self.model if energy is None else energy
+        s, log_joint, directional = mean_joint_score(model, x, h)
+        s_const = (s.detach() if h_z is None else vaes_value(model, x, h_z)).requires_grad_(True)
         value = self.objective.loss_at(x.detach(), s_const, context).mean()
         (z,) = torch.autograd.grad(value, s_const)
         surrogate = (z * s).sum()
@@ -202,7 +226,12 @@ class VariationalScore(Estimator):
         else:
             points, whole, lower = x, self.model, self.model
         metrics = self.fit_posterior(x, lower, self.objective.point_weights(context))
-        surrogate, value = self.surrogate(points, context, self.posterior_samples(x, lower), whole)
+        n = self.cfg.n_samples
+        if self.cfg.independent_z:
+            h_z, h = self.posterior_samples(x, lower, 2 * n).split(n)
+        else:
+            h_z, h = None, self.posterior_samples(x, lower)
+        surrogate, value = self.surrogate(points, context, h, whole, h_z)
         apply_update(self.optimizers["model"], surrogate)
         metrics["loss"] = value
         return metrics
@@ -211,6 +240,11 @@ class VariationalScore(Estimator):
 @attrs.frozen
 class VaGESConfig:
     n_samples: int = option(2, "posterior samples L per point (VaGES needs L >= 2)", positive)
+    independent_z: bool = option(
+        True,
+        "z = ∂F/∂s from L samples of its own (the released code; unbiased where F is quadratic in s and "
+        "q is exact); false: from the estimate's own L samples (cheaper, biased by O(1/L))",
+    )
     inner_steps: int = option(5, "lower-level posterior updates K per batch", non_negative)
     langevin_steps: int = option(0, "Langevin correction steps C on h (continuous h only)", non_negative)
     langevin_step_size: float = option(1e-2, "Langevin step size α", positive)
