@@ -379,14 +379,14 @@ COUNTS = {  # case: (estimator, feature forwards per update uncached, cached)
     "unrolled K=5 N=2": (lambda p: BiSMUnrolled(p, 5, 2, "sgd", 1e-3), 8, 2),
     "unrolled K=5 N=0": (lambda p: BiSMUnrolled(p, 5, 0, "sgd", 1e-3), 6, 1),
     "implicit K=5": (lambda p: BiSMImplicit(p, 5, functools.partial(conjugate_gradient, iterations=2)), 7, 1),
-    "vages K=5 C=5 L=2": (lambda p: VariationalScore(p, VaGESConfig(inner_steps=5, langevin_steps=5), True), 11, 1),
+    "vages K=5 C=5 L=2": (lambda p: VariationalScore(p, VaGESConfig(inner_steps=5, langevin_steps=5), True), 12, 1),
 }
 
 
 @pytest.mark.parametrize("case", list(COUNTS))
 def test_features_are_computed_once_per_update(case):
     """Forward passes of f per update. Uncached: one per evaluation of E (K real steps, N
-    unrolled ones, the upper level; VaGES: K, C Langevin steps, the surrogate). Cached: BiSM
+    unrolled ones, the upper level; VaGES: K, C Langevin steps, the surrogate, z's own VaES). Cached: BiSM
     computes f(x) once with its graph for every level, or (N > 0) once for the K + N lower-level
     steps and once in the upper level; VaGES once with its graph, used detached for the K and C
     steps and whole in the surrogate for the L samples together."""
