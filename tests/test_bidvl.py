@@ -15,6 +15,7 @@ from eblvm_bidvl import gaussian_kl
 from torch.distributions import Normal, kl_divergence
 
 from eblvm_core.contracts import EnergyModel, Parts
+from eblvm_core.errors import ConfigError
 from eblvm_core.optim import optimizer_params
 from eblvm_core.testing import make
 
@@ -270,6 +271,19 @@ def test_init_std_draws_every_conv_weight_from_the_released_codes_normal():
     default = make("generators", "bidvl-generator", parts, base=16, latent_dim=8)
     first = next(p for n, p in default.named_parameters() if p.dim() == 4)
     assert abs(first.detach().std().item() - 0.02) > 0.005  # torch's default is not the released code's
+
+
+def test_the_resnet_energy_downsamples_to_down_to_and_refuses_other_sides():
+    """SNGAN's 32×32 discriminator (BiDVL's released ResNet energy) stops downsampling at 8×8 and
+    adds two blocks there; on the 8×8 digits, down_to = 2 gives two downsampling blocks then two."""
+    parts = tiny_parts()
+    for down_to, blocks in ((4, 3), (2, 4)):
+        energy = make("models", "bidvl-energy", parts, architecture="resnet", base=4, down_to=down_to).double()
+        assert len(energy.blocks) == blocks
+        assert energy.blocks(batch(parts, 2)).shape[-1] == down_to
+    for bad in (8, 3):
+        with pytest.raises(ConfigError, match="power of two below the image side 8"):
+            make("models", "bidvl-energy", parts, architecture="resnet", base=4, down_to=bad)
 
 
 def test_the_conv_energy_has_no_activation_between_its_4x4_conv_and_the_1x1_head():

@@ -99,13 +99,14 @@ class DBlock(nn.Module):
 
 
 class ResNetEnergy(EnergyModel):
-    """SNGAN-discriminator-style E_ψ(v): residual blocks down to 4×4 (then two at 4×4), ReLU,
-    sum over positions, an SN linear map to a scalar, softplus (or none)."""
+    """SNGAN-discriminator-style E_ψ(v): downsampling residual blocks until the side is ``down_to``
+    (then two at that side), ReLU, sum over positions, an SN linear map to a scalar, softplus (or
+    none)."""
 
-    def __init__(self, channels: int, side: int, width: int, activation: str):
+    def __init__(self, channels: int, side: int, width: int, activation: str, down_to: int = 4):
         super().__init__()
         blocks, c_in, first = [], channels, True
-        while side > 4:
+        while side > down_to:
             blocks.append(DBlock(c_in, width, down=True, first=first))
             c_in, side, first = width, side // 2, False
         blocks += [DBlock(width, width, down=False), DBlock(width, width, down=False)]
@@ -134,12 +135,25 @@ class EnergyConfig:
     init_std: float | None = option(
         None, "conv weights drawn from N(0, init_std²) (the released code: 0.02); None: torch's default", positive
     )
+    down_to: int = option(
+        4,
+        "resnet: the side at which the downsampling blocks stop and two more blocks follow "
+        "(SNGAN's 32×32 discriminator and BiDVL's released ResNet code: 8)",
+        positive,
+    )
 
 
 def build_energy(cfg: EnergyConfig, parts: Parts) -> EnergyModel:
     """BiDVL's marginal energy E_ψ(v) on images: a spectrally normalised conv net, or an SNGAN-style ResNet."""
     channels, side = square_side(parts, "model")
-    net = (ConvEnergy if cfg.architecture == "conv" else ResNetEnergy)(channels, side, cfg.base, cfg.activation)
+    if cfg.architecture == "conv":
+        net: EnergyModel = ConvEnergy(channels, side, cfg.base, cfg.activation)
+    else:
+        if cfg.down_to >= side or cfg.down_to & (cfg.down_to - 1):
+            raise ConfigError(
+                "model", "down_to", f"must be a power of two below the image side {side}, not {cfg.down_to}"
+            )
+        net = ResNetEnergy(channels, side, cfg.base, cfg.activation, cfg.down_to)
     return normal_init_(net, cfg.init_std)
 
 
