@@ -209,24 +209,41 @@ def test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_
             noise = torch.randn(3, device=CUDA)
             loss = ((p - batch[:3] - noise) ** 2).sum()
             apply_update(opt, loss)
-            return {"loss": loss.detach()}
+            return {"loss": loss.detach(), "noise": noise.clone()}
 
         return p, opt, step
+
+    def offset() -> int:  # the default generator's Philox offset after a call
+        torch.cuda.synchronize()
+        return int(torch.cuda.default_generators[0].get_offset())
 
     batches = [torch.full((3,), float(i), device=CUDA) for i in range(12)] + [torch.ones(5, device=CUDA)] * 2
     torch.manual_seed(0)
     p_eager, _, eager = trainer()
-    losses_eager = [float(eager(b)["loss"]) for b in batches]
+    eager_calls = [(eager(b), offset()) for b in batches]
     torch.manual_seed(0)
     p_graph, opt, step = trainer()
     told: list[str] = []
     graphed = GraphedStep(step, {"model": opt}, told.append)
-    losses_graph = []
+    graph_calls = []
     for i, b in enumerate(batches):
-        losses_graph.append(float(graphed(b)["loss"]))
+        metrics = graphed(b)
+        graph_calls.append(({k: v.clone() for k, v in metrics.items()}, offset()))
         if i == WARMUP_STEPS + 1:
             assert graphed.graph is not None
-    assert losses_graph == pytest.approx(losses_eager, rel=1e-6)
+    parted = [
+        i for i, ((e, _), (g, _)) in enumerate(zip(eager_calls, graph_calls)) if not torch.equal(e["noise"], g["noise"])
+    ]
+    eager_draws, graph_draws = ([m["noise"] for m, _ in calls] for calls in (eager_calls, graph_calls))
+    assert not parted, (
+        f"draws part from call {parted[0]} (captured at call {WARMUP_STEPS}); offsets after each call: "
+        f"eager {[o for _, o in eager_calls]}, graph {[o for _, o in graph_calls]}; the graph's draw at each "
+        "parted call equals the eager draws of calls "
+        f"{[[j for j, e in enumerate(eager_draws) if torch.equal(e, graph_draws[i])] for i in parted]}; "
+        f"distinct graph draws: {len({tuple(g.tolist()) for g in graph_draws})} of {len(graph_draws)}"
+    )
+    losses_eager = [float(m["loss"]) for m, _ in eager_calls]
+    assert [float(m["loss"]) for m, _ in graph_calls] == pytest.approx(losses_eager, rel=1e-6)
     torch.testing.assert_close(p_graph, p_eager)
     assert len(told) == 1 and "a batch of shape (5,)" in told[0] and graphed.graph is None
 
