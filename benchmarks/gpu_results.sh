@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# What issues 23 and 24 still need from a GPU, in one lease, packed into WORK/pack.tar.gz by a deadline:
+# What issues 23 and 24 still need from a GPU, in one lease call, packed by a deadline:
 #   bash benchmarks/gpu_prepare.sh SHARED_DATA .gpudata    # here, before the lease (data and wheels)
-#   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES]   # on the GPU machine, .gpudata carried
-# PHASES: "alone side" (default), or one of them per call (two calls of about 300 s each). Keep
-# WORK outside the lease's $OUT and copy back only WORK/pack.tar.gz, WORK/job.log and, after
-# "side", WORK/samples_*.npz (a lease returns 8 files of at most 16 MiB):
-#   ... && cp /tmp/w/pack.tar.gz /tmp/w/job.log /tmp/w/samples_*.npz "$OUT"/
-# DATA holds cifar/ (the CIFAR-10 subset's .npz), MNIST/raw/ and whl/ (wheels of the pure-Python
-# dependencies the machine lacks, installed into /tmp/site). Every number is the programs' own
-# output (logs, tables, metrics.jsonl); nothing is typed in. In order of what the issues need:
-#   1. alone on the card: the measured matmul peak (bench_deep --peak); the step table of the main
-#      cases, eager and graph-replayed, bf16 replays included (new), cuDNN autotuning on as always;
-#      BiDVL and MNIST BiMDSM again with autotuning off; `eblvm run` of cifar10_bidvl and
-#      mnist_bimdsm with [run] cudnn_benchmark on (their steps/s against the bench's step); a
-#      profile of three cases' eager steps;
-#   2. side by side until the deadline: cifar10_bidvl for 1,500 updates, seeds 0-2, with the
+#   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES] [RETURN]   # on the GPU, .gpudata carried
+# PHASES: "early alone late" (default; about 160 + 260 s and the rest), some of them, or "more"
+# (a second, short lease). RETURN
+# (the lease's $OUT): after each phase the pack (WORK/pack.tar.gz), the log and the exported
+# samples and posterior means are copied there, so a call cut short still returns what was done
+# (a lease returns 8 files of at most 16 MiB, about 64 MiB in all). DATA holds cifar/ (the CIFAR-10 subset's .npz),
+# MNIST/raw/ and whl/ (wheels of the pure-Python dependencies the machine lacks, installed into
+# /tmp/site). Every number is the programs' own output (logs, tables, metrics.jsonl); nothing is
+# typed in. What the issues need:
+#   early, side by side (nothing timed): cifar10_bidvl for 1,500 updates, seeds 0 and 1, with the
 #      released code's softplus on the energy and without it (identity), for test RMSE, AUROC and a
-#      live energy, then 10,000 generator samples of each seed-0 run as 8-bit images in two
-#      files each, for FID here (python benchmarks/fid_offline.py score recipes/cifar10_bidvl.toml
-#      samples_identity.*.npz -o data.root=...: about 40 minutes on two CPU cores);
-#      benchmarks/graph_rng_check.py; tests/test_cuda.py.
+#      live energy; mnist_bimdsm and mnist_mdsm on the paper's 100,000-step schedule, stopped by
+#      SIGTERM (which checkpoints); benchmarks/graph_rng_check.py; tests/test_cuda.py;
+#   alone on the card: the measured matmul peak (bench_deep --peak); the step table of the main
+#      cases, eager and graph-replayed, bf16 included, cuDNN autotuning on; BiDVL and MNIST BiMDSM
+#      again with autotuning off; `eblvm run` of cifar10_bidvl and mnist_bimdsm with autotuning on
+#      (their steps/s against the bench's step); a profile of three cases' eager steps;
+#   more (a second, short lease): cifar10_bidvl with seeds 2 and 3 as in "early";
+#      benchmarks/graph_order_check.py (which test, run first, breaks the graph-replay draw test);
+#   late: the MNIST runs resumed until the deadline nears, then their sample grids, the posterior
+#      embedding and the posterior means of all 70,000 images for the SVM probe here
+#      (python benchmarks/svm_offline.py score mnist_means.npz --raw recipes/mnist_bimdsm.toml
+#      -o data.root=...); 10,000 generator samples of the seed-0 BiDVL run without the softplus as 8-bit images in two
+#      files, for FID here (python benchmarks/fid_offline.py score recipes/cifar10_bidvl.toml
+#      samples_identity.*.npz -o data.root=...: about 40 minutes on two CPU cores).
 set -u
-work=$1 budget=$2 data=$3 phases=${4:-alone side}
+work=$1 budget=$2 data=$3 phases=${4:-early alone late} back=${5:-}
 start=$(date +%s)
 end=$((start + budget))
 mkdir -p "$work/runs" "$work/logs" "$work/recipes"
@@ -37,7 +43,16 @@ run() {
     [ "$room" -lt "$limit" ] && limit=$room
     if [ "$limit" -lt 10 ]; then say "skipped $name (no time left)"; return; fi
     say "$name (≤ ${limit}s)"
-    timeout -k 10 -s TERM "$limit" "$@" > "$work/logs/$name.log" 2>&1 || say "$name exit $?"
+    timeout -k 30 -s TERM "$limit" "$@" > "$work/logs/$name.log" 2>&1 || say "$name exit $?"
+}
+
+# pack: the logs, tables and run records into WORK/pack.tar.gz, copied with the log and the exports to RETURN
+pack() {
+    (cd "$work" && find . -path ./runs -prune -o -type f \( -name '*.log' -o -name '*.md' \) -print > files.txt &&
+        find runs -type f \( -name '*.png' -o -name 'metrics.jsonl' -o -name 'run.json' -o -name 'run.log' \
+            -o -name 'recipe.toml' \) >> files.txt && tar czf pack.tar.gz -T files.txt)
+    [ -n "$back" ] && cp "$work"/pack.tar.gz "$work"/job.log "$back"/ && cp "$work"/*.npz "$back"/ 2>/dev/null
+    return 0
 }
 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$data"/whl/*.whl && export PYTHONPATH=/tmp/site
@@ -56,49 +71,78 @@ bidvl["data"]["root"] = str(data / "cifar")
 bidvl["run"].update(steps=1500, eval_every=0, checkpoint_every=1500)
 bidvl["eval"] = [e for e in bidvl["eval"] if e["kind"] != "fid"]
 (work / "recipes" / "cifar10_bidvl.toml").write_text(tomli_w.dumps(bidvl))
-mnist = read("recipes/mnist_bimdsm.toml")
-mnist["data"]["root"] = str(data)
-mnist["run"].update(eval_every=0, checkpoint_every=100000)
-mnist["eval"] = []
-(work / "recipes" / "mnist_bimdsm.toml").write_text(tomli_w.dumps(mnist))
+for name in ("mnist_bimdsm", "mnist_mdsm"):  # evaluated after the run stops (SIGTERM checkpoints)
+    mnist = read(f"recipes/{name}.toml")
+    mnist["data"]["root"] = str(data)
+    mnist["run"].update(eval_every=0, checkpoint_every=100000)
+    mnist["eval"] = []
+    (work / "recipes" / f"{name}.toml").write_text(tomli_w.dumps(mnist))
 PY
 
+# bidvl_runs SEED...: cifar10_bidvl for 1,500 updates with each seed, with and without the softplus, in the background
+bidvl_runs() {
+    for activation in softplus identity; do
+        for seed in "$@"; do
+            name=bidvl_${activation}_s$seed
+            run 160 "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
+                -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
+        done
+    done
+}
+
 bench="python3 benchmarks/bench_deep.py"
-if [[ " $phases " == *" alone "* ]]; then
-    run 40 peak $bench --peak --out "$work/peak.md"
-    # MDSM fp32/bf16, BiMDSM fp32/bf16, VaGES-MDSM fp32/bf16, BiDVL fp32/bf16, MNIST BiMDSM fp32/bf16, MNIST MDSM
-    run 180 bench $bench --steps 10 --warmup 3 --cases 0 2 3 6 5 7 8 9 11 13 12 --out "$work/bench_deep.md"
-    run 50 bench_no_autotune $bench --steps 10 --warmup 3 --cases 8 11 --no-cudnn-benchmark \
-        --out "$work/bench_no_autotune.md"
-    run 50 run_bidvl python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.steps=600 \
-        -o run.cudnn_benchmark=true -o '~eval' --out "$work/runs/speed_bidvl"
-    run 50 run_mnist python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" -o run.steps=1000 \
-        -o run.cudnn_benchmark=true --out "$work/runs/speed_mnist"
-    run 60 profile $bench --profile --steps 3 --cases 3 8 11 --out "$work/profile.md"
-fi
-if [[ " $phases " == *" side "* ]]; then
-    say "side by side: the BiDVL sweep, the RNG check, the CUDA tests"
-    (
-        for activation in softplus identity; do
-            for seed in 0 1 2; do
-                name=bidvl_${activation}_s$seed
-                run $(($(left) - 100)) "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
-                    -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
-            done
-        done
-        wait
-        for activation in softplus identity; do  # FID is scored off the lease (benchmarks/fid_offline.py)
-            run 40 "export_$activation" python3 benchmarks/fid_offline.py export \
-                "$work/runs/bidvl_${activation}_s0/cifar10_bidvl" "$work/samples_$activation" --parts 2 --sampler generator
-        done
-    ) &
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 2")
+if [[ " $phases " == *" early "* ]]; then  # side by side; nothing here is timed
+    say "early: the BiDVL runs, the MNIST runs' start, the RNG check, the CUDA tests"
+    bidvl_runs 0 1
+    for name in mnist_bimdsm mnist_mdsm; do  # stopped by SIGTERM (a checkpoint), resumed in "late"
+        run 150 "long_$name" python3 -m eblvm run "$work/recipes/$name.toml" -o run.cudnn_benchmark=true \
+            --out "$work/runs/long" &
+    done
     run 60 graph_rng_check python3 benchmarks/graph_rng_check.py &
-    run $(($(left) - 60)) cuda_tests python3 -m pytest -q -p no:cacheprovider -n 2 -rfEs --durations=12 tests/test_cuda.py &
+    run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
+    wait
+    pack
+fi
+if [[ " $phases " == *" alone "* ]]; then
+    run 20 peak $bench --peak --out "$work/peak.md"
+    # MDSM fp32/bf16, BiMDSM fp32/bf16, VaGES-MDSM fp32/bf16, BiDVL fp32/bf16, MNIST BiMDSM fp32/bf16, MNIST MDSM
+    run 120 bench $bench --steps 10 --warmup 3 --cases 0 2 3 6 5 7 8 9 11 13 12 --out "$work/bench_deep.md"
+    run 25 bench_no_autotune $bench --steps 10 --warmup 3 --cases 8 11 --no-cudnn-benchmark \
+        --out "$work/bench_no_autotune.md"
+    run 30 run_bidvl python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.steps=600 \
+        -o run.cudnn_benchmark=true -o '~eval' --out "$work/runs/speed_bidvl"
+    run 30 run_mnist python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" -o run.steps=1000 \
+        -o run.cudnn_benchmark=true --out "$work/runs/speed_mnist"
+    run 30 profile $bench --profile --steps 3 --cases 3 8 11 --out "$work/profile.md"
+    pack
+fi
+if [[ " $phases " == *" late "* ]]; then
+    say "late: the MNIST runs resumed until the deadline nears, then evaluated; BiDVL samples for FID"
+    for name in mnist_bimdsm mnist_mdsm; do
+        (
+            run $(($(left) - 100)) "resumed_$name" python3 -m eblvm run --resume "$work/runs/long/$name"
+            if [ "$name" = mnist_bimdsm ]; then
+                run 25 "means_$name" python3 benchmarks/svm_offline.py export "$work/runs/long/$name" "$work/mnist_means.npz"
+                run 35 "eval_$name" python3 -m eblvm eval "$work/runs/long/$name" -e sample-grid \
+                    -o 'eval.0.sampler="annealed-langevin"' -e posterior-embedding
+            else
+                run 35 "eval_$name" python3 -m eblvm eval "$work/runs/long/$name" -e sample-grid \
+                    -o 'eval.0.sampler="annealed-langevin"'
+            fi
+        ) &
+    done
+    # FID is scored off the lease (benchmarks/fid_offline.py); one run's samples: a lease returns about 64 MiB
+    run 40 export_identity python3 benchmarks/fid_offline.py export \
+        "$work/runs/bidvl_identity_s0/cifar10_bidvl" "$work/samples_identity" --parts 2 --sampler generator
+fi
+if [[ " $phases " == *" more "* ]]; then  # a second lease: more BiDVL seeds; the test-order check
+    say "more: BiDVL seeds 2 and 3; which test breaks the graph-replay draw test"
+    bidvl_runs 2 3
+    run 170 graph_order_check python3 benchmarks/graph_order_check.py --jobs 6 &
 fi
 while [ "$(jobs -rp | wc -l)" -gt 0 ] && [ "$(left)" -gt 20 ]; do sleep 2; done
 say "packing ($(jobs -rp | wc -l) jobs still running)"
-(cd "$work" && find . -path ./runs -prune -o -type f \( -name '*.log' -o -name '*.md' \) -print > files.txt &&
-    find runs -type f \( -name '*.png' -o -name 'metrics.jsonl' -o -name 'run.json' -o -name 'run.log' \
-        -o -name 'recipe.toml' \) >> files.txt && tar czf pack.tar.gz -T files.txt)
+pack
 touch "$work/DONE"
 say "done"
