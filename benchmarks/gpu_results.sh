@@ -3,29 +3,29 @@
 #   bash benchmarks/gpu_prepare.sh SHARED_DATA .gpudata    # here, before the lease (data and wheels)
 #   bash benchmarks/gpu_results.sh WORK SECONDS .gpudata [PHASES] [RETURN]   # on the GPU, .gpudata carried
 # PHASES: "early alone late" (default; about 160 + 260 s and the rest), some of them, or "more"
-# (a second, short lease). RETURN
-# (the lease's $OUT): after each phase the pack (WORK/pack.tar.gz), the log and the exported
-# samples and posterior means are copied there, so a call cut short still returns what was done
-# (a lease returns 8 files of at most 16 MiB, about 64 MiB in all). DATA holds cifar/ (the CIFAR-10 subset's .npz),
-# MNIST/raw/ and whl/ (wheels of the pure-Python dependencies the machine lacks, installed into
-# /tmp/site). Every number is the programs' own output (logs, tables, metrics.jsonl); nothing is
-# typed in. What the issues need:
+# (a second, short lease). RETURN (the lease's $OUT): after each phase the pack
+# (WORK/pack.tar.gz), the log and the exported samples and posterior means are copied there, so a
+# call cut short still returns what was done (a lease returns 8 files of at most 16 MiB, about
+# 64 MiB in all). DATA holds cifar/ (the CIFAR-10 subset's .npz), MNIST/raw/ and whl/ (wheels of
+# the pure-Python dependencies the machine lacks, installed into /tmp/site). Every number is the
+# programs' own output (logs, tables, metrics.jsonl); nothing is typed in. What the issues need:
 #   early, side by side (nothing timed): cifar10_bidvl for 1,500 updates, seeds 0 and 1, with the
 #      released code's softplus on the energy and without it (identity), for test RMSE, AUROC and a
 #      live energy; mnist_bimdsm and mnist_mdsm on the paper's 100,000-step schedule, stopped by
 #      SIGTERM (which checkpoints); benchmarks/graph_rng_check.py; tests/test_cuda.py;
 #   alone on the card: the measured matmul peak (bench_deep --peak); the step table of the main
 #      cases, eager and graph-replayed, bf16 included, cuDNN autotuning on; BiDVL and MNIST BiMDSM
-#      again with autotuning off; `eblvm run` of cifar10_bidvl and mnist_bimdsm with autotuning on
-#      (their steps/s against the bench's step); a profile of three cases' eager steps;
-#   more (a second, short lease): cifar10_bidvl with seeds 2 and 3 as in "early";
-#      benchmarks/graph_order_check.py (which test, run first, breaks the graph-replay draw test);
+#      again with autotuning off; `eblvm run` of cifar10_bidvl and mnist_bimdsm (their steps/s
+#      against the bench's step); a profile of three cases' eager steps;
 #   late: the MNIST runs resumed until the deadline nears, then their sample grids, the posterior
 #      embedding and the posterior means of all 70,000 images for the SVM probe here
 #      (python benchmarks/svm_offline.py score mnist_means.npz --raw recipes/mnist_bimdsm.toml
-#      -o data.root=...); 10,000 generator samples of the seed-0 BiDVL run without the softplus as 8-bit images in two
-#      files, for FID here (python benchmarks/fid_offline.py score recipes/cifar10_bidvl.toml
-#      samples_identity.*.npz -o data.root=...: about 40 minutes on two CPU cores).
+#      -o data.root=...); 10,000 generator samples of the seed-0 BiDVL run without the softplus,
+#      as 8-bit images in two files, for FID here (python benchmarks/fid_offline.py score
+#      recipes/cifar10_bidvl.toml samples_identity.*.npz -o data.root=...: about 40 minutes on
+#      two CPU cores);
+#   more (a second, short lease): cifar10_bidvl with seeds 2 and 3 as in "early";
+#      benchmarks/graph_order_check.py (which earlier test makes the graph-replay draw test fail).
 set -u
 work=$1 budget=$2 data=$3 phases=${4:-early alone late} back=${5:-}
 start=$(date +%s)
@@ -96,8 +96,7 @@ if [[ " $phases " == *" early "* ]]; then  # side by side; nothing here is timed
     say "early: the BiDVL runs, the MNIST runs' start, the RNG check, the CUDA tests"
     bidvl_runs 0 1
     for name in mnist_bimdsm mnist_mdsm; do  # stopped by SIGTERM (a checkpoint), resumed in "late"
-        run 150 "long_$name" python3 -m eblvm run "$work/recipes/$name.toml" -o run.cudnn_benchmark=true \
-            --out "$work/runs/long" &
+        run 150 "long_$name" python3 -m eblvm run "$work/recipes/$name.toml" --out "$work/runs/long" &
     done
     run 60 graph_rng_check python3 benchmarks/graph_rng_check.py &
     run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
