@@ -12,7 +12,7 @@
 #   early, side by side (nothing timed): cifar10_bidvl for 1,500 updates, seeds 0 and 1, with the
 #      released code's softplus on the energy and without it (identity), for test RMSE, AUROC and a
 #      live energy; mnist_bimdsm and mnist_mdsm on the paper's 100,000-step schedule, stopped by
-#      SIGTERM (which checkpoints); benchmarks/graph_rng_check.py; tests/test_cuda.py;
+#      SIGTERM (which checkpoints); benchmarks/graph_rng_check.py (also --fresh); tests/test_cuda.py;
 #   alone on the card: the measured matmul peak (bench_deep --peak); the step table of the main
 #      cases, eager and graph-replayed, bf16 included, cuDNN autotuning on; BiDVL and MNIST BiMDSM
 #      again with autotuning off; `eblvm run` of cifar10_bidvl and mnist_bimdsm (their steps/s
@@ -99,6 +99,7 @@ if [[ " $phases " == *" early "* ]]; then  # side by side; nothing here is timed
         run 150 "long_$name" python3 -m eblvm run "$work/recipes/$name.toml" --out "$work/runs/long" &
     done
     run 60 graph_rng_check python3 benchmarks/graph_rng_check.py &
+    run 90 graph_rng_fresh python3 benchmarks/graph_rng_check.py --fresh &
     run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
     wait
     pack

@@ -1,6 +1,7 @@
 """Where a CUDA graph's random draws part from the eager ones, after what the process did before.
 
-    python benchmarks/graph_rng_check.py        # a CUDA device; about 10 s
+    python benchmarks/graph_rng_check.py           # a CUDA device; about 10 s
+    python benchmarks/graph_rng_check.py --fresh   # each variant below in a fresh process; about 30 s
 
 On an H100 (torch 2.11) three tests of tests/test_cuda.py failed only after other CUDA graphs had
 been captured in the same process: a new ``GraphedStep``'s draws left those of the eager run of
@@ -10,11 +11,21 @@ nothing; a live graph of another step; that graph deleted; ``torch.cuda.set_rng_
 resumed run does); a recipe-sized graph (BiDSM on the GRBM through ``eblvm run``). For each it
 prints whether the draws agree, the first step where they part, and the default CUDA generator's
 Philox offset after every call of the eager and the replayed runs.
+
+On an H200 (torch 2.11) the test itself then failed when run alone in a fresh pytest process and
+passed after any test that had used a side stream. ``--fresh`` runs the comparison first thing
+in a fresh process, in four variants, and prints for each parted call which eager draw the
+graph's equals and how many of the graph's draws are distinct: as is; after a side stream has
+run one kernel; with a device synchronisation before every replay (if a copy or fill of the
+generator's seed and offset on another stream raced the first replay, this agrees); with both.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,8 +80,11 @@ def compare(label: str) -> None:
     if parted:
         i = parted[0]
         print(f"  call {i}: eager {eager_noise[i].tolist()}\n  call {i}: graph {graph_noise[i].tolist()}")
-        later = [j for j, n in enumerate(eager_noise) if torch.equal(n, graph_noise[i])]
-        print(f"  the graph's draw at call {i} equals the eager draw of calls {later}")
+        for i in parted:
+            same = [j for j, n in enumerate(eager_noise) if torch.equal(n, graph_noise[i])]
+            print(f"  the graph's draw at call {i} equals the eager draw of calls {same}")
+        distinct = len({tuple(n.tolist()) for n in graph_noise})
+        print(f"  distinct graph draws: {distinct} of {len(graph_noise)}")
 
 
 def other_graph() -> GraphedStep:
@@ -101,5 +115,36 @@ def main() -> None:
     compare("5. after a recipe trained through eblvm run (its graph gone)")
 
 
+VARIANTS = ("as-is", "side-stream-first", "sync-before-replay", "side-stream-first+sync-before-replay")
+
+
+def fresh(variant: str) -> None:
+    """The comparison first thing in this process, under ``variant`` (one of VARIANTS)."""
+    if "side-stream-first" in variant:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.zeros(1, device=CUDA).add_(1)
+        torch.cuda.synchronize()
+    if "sync-before-replay" in variant:
+        replay = torch.cuda.CUDAGraph.replay
+
+        def synchronized_replay(self) -> None:
+            torch.cuda.synchronize()
+            replay(self)
+
+        torch.cuda.CUDAGraph.replay = synchronized_replay
+    compare(f"fresh process, {variant}")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fresh", action="store_true", help="each variant in a fresh process")
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        fresh(args.variant)
+    elif args.fresh:
+        for variant in VARIANTS:
+            subprocess.run([sys.executable, __file__, "--variant", variant], check=False)
+    else:
+        main()
