@@ -231,10 +231,8 @@ def test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_
         graph_calls.append(({k: v.clone() for k, v in metrics.items()}, offset()))
         if i == WARMUP_STEPS + 1:
             assert graphed.graph is not None
-    parted = [
-        i for i, ((e, _), (g, _)) in enumerate(zip(eager_calls, graph_calls)) if not torch.equal(e["noise"], g["noise"])
-    ]
     eager_draws, graph_draws = ([m["noise"] for m, _ in calls] for calls in (eager_calls, graph_calls))
+    parted = [i for i, (e, g) in enumerate(zip(eager_draws, graph_draws)) if not torch.equal(e, g)]
     assert not parted, (
         f"draws part from call {parted[0]} (captured at call {WARMUP_STEPS}); offsets after each call: "
         f"eager {[o for _, o in eager_calls]}, graph {[o for _, o in graph_calls]}; the graph's draw at each "
