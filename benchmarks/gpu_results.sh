@@ -110,10 +110,10 @@ if [[ " $phases " == *" alone "* ]]; then
     run 120 bench $bench --steps 10 --warmup 3 --cases 0 2 3 6 5 7 8 9 11 13 12 --out "$work/bench_deep.md"
     run 25 bench_no_autotune $bench --steps 10 --warmup 3 --cases 8 11 --no-cudnn-benchmark \
         --out "$work/bench_no_autotune.md"
-    run 30 run_bidvl python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.steps=600 \
-        -o run.cudnn_benchmark=true -o '~eval' --out "$work/runs/speed_bidvl"
+    run 30 run_bidvl python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.steps=600 -o '~eval' \
+        --out "$work/runs/speed_bidvl"
     run 30 run_mnist python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" -o run.steps=1000 \
-        -o run.cudnn_benchmark=true --out "$work/runs/speed_mnist"
+        --out "$work/runs/speed_mnist"
     run 30 profile $bench --profile --steps 3 --cases 3 8 11 --out "$work/profile.md"
     pack
 fi
