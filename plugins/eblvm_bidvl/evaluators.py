@@ -47,12 +47,21 @@ class ReconstructionConfig:
     n: int = option(10000, "examples reconstructed (the first n)", positive)
     batch_size: int = option(500, "examples per pass", positive)
     images: int = option(32, "originals and reconstructions shown side by side (0 for none)")
+    batch_norm: Literal["running", "batch"] = option(
+        "running",
+        "running: batch norm uses the statistics gathered in training (eval mode, the model as deployed; "
+        "reports {split}_rmse); batch: each pass is normalised by its own statistics (train mode, as the "
+        "released BiDVL code's mse_score reads it, there with batch_size = 100; reports "
+        "{split}_rmse_batch_stats); either way the running statistics are left as they were",
+    )
 
 
 def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
     """Root-mean-square error of G(E_q[h|v]) against v per pixel, in the data's units, and an image of reconstructions.
 
-    Reports: {split}_rmse
+    With batch_norm = "batch" the key is {split}_rmse_batch_stats.
+
+    Reports: {split}_rmse, {split}_rmse_batch_stats
     """
     data = parts.need("data", "")
     parts.need("posterior", "")
@@ -60,14 +69,18 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
     if not data.has(cfg.split):
         raise ConfigError("", "split", f"the data set has no '{cfg.split}' split")
 
-    @reporting([f"{cfg.split}_rmse"])
+    suffix = "" if cfg.batch_norm == "running" else "_batch_stats"
+    key = f"{cfg.split}_rmse{suffix}"
+
+    @reporting([key])
     def evaluate(parts: Parts) -> EvalResult:
         n = min(cfg.n, parts.data.size(cfg.split))
         total, shown = 0.0, None
         modules = (parts.posterior, parts.generator)
         modes = [m.training for m in modules]
+        kept = [{name: b.clone() for name, b in m.named_buffers()} for m in modules]
         for m in modules:
-            m.eval()
+            m.train(cfg.batch_norm == "batch")
         try:
             with torch.no_grad():
                 for start in range(0, n, cfg.batch_size):
@@ -79,15 +92,18 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
                     if shown is None and cfg.images:
                         shown = (v[: cfg.images], recon[: cfg.images])
         finally:
-            for m, mode in zip(modules, modes):
+            for m, mode, buffers in zip(modules, modes, kept):
                 m.train(mode)
+                with torch.no_grad():
+                    for name, b in m.named_buffers():
+                        b.copy_(buffers[name])
         rmse = math.sqrt(total / (n * parts.data.dim))
         images = {}
         if shown is not None:
             low, high = parts.data.bounds[0] if parts.data.bounds else (0.0, 1.0)
             pairs = torch.stack(shown, 1).flatten(0, 1).float().cpu()  # original, reconstruction, original, ...
-            images["reconstructions"] = image_grid(((pairs - low) / (high - low)).clamp(0, 1), nrow=16)
-        return EvalResult(scalars={f"{cfg.split}_rmse": rmse}, images=images)
+            images[f"reconstructions{suffix}"] = image_grid(((pairs - low) / (high - low)).clamp(0, 1), nrow=16)
+        return EvalResult(scalars={key: rmse}, images=images)
 
     return evaluate
 
