@@ -160,5 +160,9 @@ class GraphedStep:
                 for group, flag in zip(opt.param_groups, flags):
                     group["capturable"] = flag
         self.graph = graph
+        # torch (to 2.11 at least) writes the generator's graph seed and offset tensors on the capture
+        # stream as capture begins, and again on this stream before each replay; nothing orders the
+        # two writes, so wait for the first before the first replay writes and reads them.
+        torch.cuda.synchronize()
         self.graph.replay()
         return self.static_metrics
