@@ -1,0 +1,69 @@
+"""How much a BiDVL model's test reconstruction RMSE owes to batch norm's statistics, not to its weights.
+
+The reconstruction G(E_q[h|v]) runs batch norm twice (encoder, generator). Its RMSE can be read
+with the statistics gathered in training (eval mode, eblvm's ``reconstruction`` evaluator), with
+each test batch's own statistics (train mode, as the released code's ``mse_score`` reads it), or
+with the running statistics moved the way the released conv code moves them at the end of every
+epoch, by its visualisation passes in train mode: G(z) of a fixed z ~ N(0, I), the encoder on the
+epoch's last batch v and G(μ(v)), the encoder on G(z) and G(μ(G(z))). Its training passes put
+prior draws z and posterior draws h = μ + σε through the generator; the evaluation puts posterior
+means through it, and the visualisation passes are the only ones that do the same.
+
+    python benchmarks/bidvl_batchnorm.py RUN_DIR [--checkpoint last] [--batch-size 100]
+
+prints one line per reading: the RMSE per pixel in the data's units, on the whole test split.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def visualisation_passes(parts, batch_size: int, seed: int) -> None:
+    """The released conv code's end-of-epoch passes, in train mode without gradients (moves running statistics)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch_size, parts.generator.latent_dim, generator=g).to(parts.device, parts.dtype)
+    last = torch.randperm(parts.data.size("train"), generator=g)[:batch_size]
+    v = parts.data.take("train", last).to(parts.device, parts.dtype)
+    parts.posterior.train(), parts.generator.train()
+    with torch.no_grad():
+        samples = parts.generator(z)
+        parts.generator(parts.posterior.mean(v))
+        parts.generator(parts.posterior.mean(samples))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir")
+    parser.add_argument("--checkpoint", default="last")
+    parser.add_argument("--batch-size", type=int, default=100, help="test batch and visualisation batch (100 released)")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args(argv)
+
+    from eblvm_core.api import load
+
+    loaded = load(args.run_dir, args.checkpoint, device=args.device, evaluators=[], echo=None)
+    parts, table = loaded.parts, {"kind": "reconstruction", "batch_size": args.batch_size, "images": 0}
+
+    def readings() -> dict[str, float]:
+        scalars = loaded.evaluate([table], echo=None).scalars
+        return {key: scalars[f"eval/reconstruction/{key}"] for key in ("test_rmse", "test_rmse_batch_stats")}
+
+    first = readings()
+    print(f"step {loaded.step}, {parts.data.size('test'):,} test images, batches of {args.batch_size}")
+    print(f"running statistics (eval mode, eblvm's evaluator)     {first['test_rmse']:.4f}")
+    print(f"each batch's statistics (train mode, released metric) {first['test_rmse_batch_stats']:.4f}")
+    modules = (parts.posterior, parts.generator)
+    for seed in range(3):
+        states = [{k: b.clone() for k, b in m.state_dict().items()} for m in modules]
+        visualisation_passes(parts, args.batch_size, seed)
+        after = readings()["test_rmse"]
+        print(f"running statistics after the released visualisation passes (draw {seed}) {after:.4f}")
+        for m, state in zip(modules, states):
+            m.load_state_dict(state)
+
+
+if __name__ == "__main__":
+    main()
