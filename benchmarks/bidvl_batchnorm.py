@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"running statistics (eval mode, eblvm's evaluator)     {first['test_rmse']:.4f}")
     print(f"each batch's statistics (train mode, released metric) {first['test_rmse_batch_stats']:.4f}")
     modules = (parts.posterior, parts.generator)
+    states = [{k: b.clone() for k, b in m.state_dict().items()} for m in modules]
     for seed in range(3):
-        states = [{k: b.clone() for k, b in m.state_dict().items()} for m in modules]
         visualisation_passes(parts, args.batch_size, seed)
         after = readings()["test_rmse"]
         print(f"running statistics after the released visualisation passes (draw {seed}) {after:.4f}")
