@@ -376,7 +376,8 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(inte
     for noise in ("Traceback", "Warning", "OMP_NUM_THREADS", "SignalException"):
         assert noise not in output, output
     at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
-    assert 100 < at < 600 and at % 50 == 0
+    # the row at step 100 is written before the ranks agree at that step, so a signal seen then stops at 100
+    assert 100 <= at < 600 and at % 50 == 0
 
     session = json.loads((run_dir / "run.json").read_text())["sessions"][0]
     assert session["status"] == "interrupted" and session["to_step"] == at
