@@ -25,7 +25,12 @@
 #      recipes/cifar10_bidvl.toml samples_identity.*.npz -o data.root=...: about 40 minutes on
 #      two CPU cores);
 #   more (a second, short lease): cifar10_bidvl with seeds 2 and 3 as in "early";
-#      benchmarks/graph_order_check.py (which earlier test makes the graph-replay draw test fail).
+#      benchmarks/graph_order_check.py (which earlier test makes the graph-replay draw test fail);
+#   next (alone in a call, what both issues still ask): graph_rng_check.py --fresh and
+#      tests/test_cuda.py (does the synchronisation after capture mend the draw test?); the bundled
+#      cifar10_bidvl (no softplus), seeds 0-3, for both RMSE readings; mnist_bimdsm from step 0 for
+#      the whole call with a checkpoint kept every 10,000 steps, the posterior means of each kept one
+#      exported for the SVM probe here, then its samples and embedding at the last step.
 set -u
 work=$1 budget=$2 data=$3 phases=${4:-early alone late} back=${5:-}
 start=$(date +%s)
@@ -140,6 +145,29 @@ if [[ " $phases " == *" more "* ]]; then  # a second lease: more BiDVL seeds; th
     say "more: BiDVL seeds 2 and 3; which test breaks the graph-replay draw test"
     bidvl_runs 2 3
     run 170 graph_order_check python3 benchmarks/graph_order_check.py --jobs 6 &
+fi
+if [[ " $phases " == *" next "* ]]; then
+    say "next: the RNG check, the CUDA tests, BiDVL seeds 0-3 without the softplus, MNIST BiMDSM for the whole call"
+    for seed in 0 1 2 3; do
+        run 160 "bidvl_identity_s$seed" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.seed=$seed \
+            -o 'model.activation="identity"' --out "$work/runs/bidvl_identity_s$seed" &
+    done
+    run 90 graph_rng_fresh python3 benchmarks/graph_rng_check.py --fresh &
+    run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
+    (
+        run $(($(left) - 140)) long_mnist_bimdsm python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" \
+            -o run.keep_every=10000 --out "$work/runs/long"
+        for kept in "$work"/runs/long/mnist_bimdsm/*/checkpoints/step-*.pt; do
+            [ -e "$kept" ] || continue
+            step=$(basename "$kept" .pt)
+            run 25 "means_$step" python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" \
+                "$work/mnist_means_$step.npz" --checkpoint "$kept"
+        done
+        run 25 means_last python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" "$work/mnist_means.npz"
+        run 35 eval_mnist_bimdsm python3 -m eblvm eval "$work/runs/long/mnist_bimdsm" -e sample-grid \
+            -o 'eval.0.sampler="annealed-langevin"' -e posterior-embedding
+    ) &
+    wait
 fi
 while [ "$(jobs -rp | wc -l)" -gt 0 ] && [ "$(left)" -gt 20 ]; do sleep 2; done
 say "packing ($(jobs -rp | wc -l) jobs still running)"
