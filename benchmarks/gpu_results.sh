@@ -84,9 +84,12 @@ for name in ("mnist_bimdsm", "mnist_mdsm"):  # evaluated after the run stops (SI
     (work / "recipes" / f"{name}.toml").write_text(tomli_w.dumps(mnist))
 PY
 
-# bidvl_runs SEED...: cifar10_bidvl for 1,500 updates with each seed, with and without the softplus, in the background
+# bidvl_runs ACTIVATIONS SEED...: cifar10_bidvl for 1,500 updates with each seed and each energy activation
+# ("softplus identity": with and without the released code's softplus), in the background
 bidvl_runs() {
-    for activation in softplus identity; do
+    local activations=$1
+    shift
+    for activation in $activations; do
         for seed in "$@"; do
             name=bidvl_${activation}_s$seed
             run 160 "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
@@ -95,11 +98,18 @@ bidvl_runs() {
     done
 }
 
+# finish_mnist_bimdsm: the long MNIST BiMDSM run's posterior means (for the SVM probe here), samples and embedding
+finish_mnist_bimdsm() {
+    run 25 means_mnist_bimdsm python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" "$work/mnist_means.npz"
+    run 35 eval_mnist_bimdsm python3 -m eblvm eval "$work/runs/long/mnist_bimdsm" -e sample-grid \
+        -o 'eval.0.sampler="annealed-langevin"' -e posterior-embedding
+}
+
 bench="python3 benchmarks/bench_deep.py"
 xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 2")
 if [[ " $phases " == *" early "* ]]; then  # side by side; nothing here is timed
     say "early: the BiDVL runs, the MNIST runs' start, the RNG check, the CUDA tests"
-    bidvl_runs 0 1
+    bidvl_runs "softplus identity" 0 1
     for name in mnist_bimdsm mnist_mdsm; do  # stopped by SIGTERM (a checkpoint), resumed in "late"
         run 150 "long_$name" python3 -m eblvm run "$work/recipes/$name.toml" --out "$work/runs/long" &
     done
@@ -128,9 +138,7 @@ if [[ " $phases " == *" late "* ]]; then
         (
             run $(($(left) - 100)) "resumed_$name" python3 -m eblvm run --resume "$work/runs/long/$name"
             if [ "$name" = mnist_bimdsm ]; then
-                run 25 "means_$name" python3 benchmarks/svm_offline.py export "$work/runs/long/$name" "$work/mnist_means.npz"
-                run 35 "eval_$name" python3 -m eblvm eval "$work/runs/long/$name" -e sample-grid \
-                    -o 'eval.0.sampler="annealed-langevin"' -e posterior-embedding
+                finish_mnist_bimdsm
             else
                 run 35 "eval_$name" python3 -m eblvm eval "$work/runs/long/$name" -e sample-grid \
                     -o 'eval.0.sampler="annealed-langevin"'
@@ -143,15 +151,12 @@ if [[ " $phases " == *" late "* ]]; then
 fi
 if [[ " $phases " == *" more "* ]]; then  # a second lease: more BiDVL seeds; the test-order check
     say "more: BiDVL seeds 2 and 3; which test breaks the graph-replay draw test"
-    bidvl_runs 2 3
+    bidvl_runs "softplus identity" 2 3
     run 170 graph_order_check python3 benchmarks/graph_order_check.py --jobs 6 &
 fi
 if [[ " $phases " == *" next "* ]]; then
     say "next: the RNG check, the CUDA tests, BiDVL seeds 0-3 without the softplus, MNIST BiMDSM for the whole call"
-    for seed in 0 1 2 3; do
-        run 160 "bidvl_identity_s$seed" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" -o run.seed=$seed \
-            -o 'model.activation="identity"' --out "$work/runs/bidvl_identity_s$seed" &
-    done
+    bidvl_runs identity 0 1 2 3
     run 90 graph_rng_fresh python3 benchmarks/graph_rng_check.py --fresh &
     run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
     (
@@ -163,9 +168,7 @@ if [[ " $phases " == *" next "* ]]; then
             run 25 "means_$step" python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" \
                 "$work/mnist_means_$step.npz" --checkpoint "$kept"
         done
-        run 25 means_last python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" "$work/mnist_means.npz"
-        run 35 eval_mnist_bimdsm python3 -m eblvm eval "$work/runs/long/mnist_bimdsm" -e sample-grid \
-            -o 'eval.0.sampler="annealed-langevin"' -e posterior-embedding
+        finish_mnist_bimdsm
     ) &
     wait
 fi
