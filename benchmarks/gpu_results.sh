@@ -28,9 +28,10 @@
 #      benchmarks/graph_order_check.py (which earlier test makes the graph-replay draw test fail);
 #   next (alone in a call, what both issues still ask): graph_rng_check.py --fresh and
 #      tests/test_cuda.py (does the synchronisation after capture mend the draw test?); the bundled
-#      cifar10_bidvl (no softplus), seeds 0-3, for both RMSE readings; mnist_bimdsm from step 0 for
-#      the whole call with a checkpoint kept every 10,000 steps, the posterior means of each kept one
-#      exported for the SVM probe here, then its samples and embedding at the last step.
+#      cifar10_bidvl (no softplus), seeds 0-3, for both RMSE readings and bidvl_batchnorm.py's;
+#      mnist_bimdsm from step 0 for the whole call with a checkpoint kept every 10,000 steps, the
+#      posterior means of each kept one exported for the SVM probe here, then its samples and
+#      embedding at the last step.
 set -u
 work=$1 budget=$2 data=$3 phases=${4:-early alone late} back=${5:-}
 start=$(date +%s)
@@ -85,15 +86,20 @@ for name in ("mnist_bimdsm", "mnist_mdsm"):  # evaluated after the run stops (SI
 PY
 
 # bidvl_runs ACTIVATIONS SEED...: cifar10_bidvl for 1,500 updates with each seed and each energy activation
-# ("softplus identity": with and without the released code's softplus), in the background
+# ("softplus identity": with and without the released code's softplus), in the background, each
+# then read by benchmarks/bidvl_batchnorm.py (the test RMSE with batch norm's statistics moved)
 bidvl_runs() {
     local activations=$1
     shift
     for activation in $activations; do
         for seed in "$@"; do
             name=bidvl_${activation}_s$seed
-            run 160 "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
-                -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name" &
+            (
+                run 160 "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
+                    -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name"
+                run 60 "batchnorm_$name" python3 benchmarks/bidvl_batchnorm.py "$work/runs/$name/cifar10_bidvl" \
+                    --device cuda
+            ) &
         done
     done
 }
