@@ -1,4 +1,4 @@
-"""Shared fixtures: small recipes written to a temporary folder, and a CLI runner."""
+"""Shared fixtures: small recipes written to a temporary folder, a CLI runner, and random GRBMs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from eblvm_grbm.model import GRBM
 from typer.testing import CliRunner
 
 # The tests' tensors are tiny: one thread avoids oversubscribing a small CI machine.
@@ -63,6 +64,26 @@ unroll_steps = 1
 [optim.posterior]
 kind = "adam\"""",
 )
+
+
+def grbm_away_from_init(
+    d: int,
+    m: int,
+    *,
+    sigma: float,
+    weight_std: float,
+    seed: int = 0,
+    coupling: str = "scaled",
+    dtype: torch.dtype = torch.float64,
+) -> GRBM:
+    """A GRBM with d visible and m hidden units and every parameter away from its initial value:
+    σ = ``sigma``, W ~ N(0, weight_std²), b and c ~ N(0, 0.5²), drawn after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std, coupling=coupling).to(dtype)
+    with torch.no_grad():
+        model.b.normal_(0.0, 0.5)
+        model.c.normal_(0.0, 0.5)
+    return model
 
 
 def poison_at(monkeypatch, step: int, what) -> None:

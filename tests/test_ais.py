@@ -4,6 +4,7 @@ path, a closed form at Frey face size, and each other."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import attrs
 import pytest
@@ -25,18 +26,9 @@ from eblvm_grbm.model import GRBM, all_binary
 
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
+from tests.conftest import grbm_away_from_init
 
-
-def random_grbm(
-    d: int, m: int, sigma: float = 0.6, weight_std: float = 0.7, seed: int = 0, coupling: str = "scaled"
-) -> GRBM:
-    """A float64 GRBM with every parameter away from its initial value."""
-    torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std, coupling=coupling).double()
-    with torch.no_grad():
-        model.b.normal_(0.0, 0.5)
-        model.c.normal_(0.0, 0.5)
-    return model
+random_grbm = partial(grbm_away_from_init, sigma=0.6, weight_std=0.7)
 
 
 def skewed_base(d: int) -> Base:

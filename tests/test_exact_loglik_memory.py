@@ -8,6 +8,7 @@ import itertools
 import math
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -18,17 +19,9 @@ from eblvm_grbm.model import CHUNK_ELEMENTS, GRBM, binary_states, default_chunk
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from eblvm_core.contracts import DataSplits, Parts
-from tests.conftest import SMALL_RECIPE, one_line_error
+from tests.conftest import SMALL_RECIPE, grbm_away_from_init, one_line_error
 
-
-def random_grbm(d: int, m: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> GRBM:
-    """A GRBM with every parameter away from its initial value."""
-    torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=0.8, init_weight_std=0.5).to(dtype)
-    with torch.no_grad():
-        model.b.normal_(0.0, 0.5)
-        model.c.normal_(0.0, 0.5)
-    return model
+random_grbm = partial(grbm_away_from_init, sigma=0.8, weight_std=0.5)
 
 
 def one_shot_log_partition(model: GRBM) -> torch.Tensor:

@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from eblvm_grbm.model import GRBM, all_binary
 
 from eblvm_core.contracts import exact_score
+from tests.conftest import grbm_away_from_init
 
 COUPLINGS = pytest.mark.parametrize("coupling", ["scaled", "plain"])
 
 
-def random_grbm(d: int, m: int, sigma: float = 0.7, seed: int = 0, coupling: str = "scaled") -> GRBM:
-    """A float64 GRBM with every parameter away from its initial value."""
-    torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=sigma, init_weight_std=0.8, coupling=coupling).double()
-    with torch.no_grad():
-        model.b.normal_(0.0, 0.5)
-        model.c.normal_(0.0, 0.5)
-    return model
+random_grbm = partial(grbm_away_from_init, sigma=0.7, weight_std=0.8)
 
 
 @COUPLINGS

@@ -4,6 +4,7 @@ enumeration, closed forms and independent computations."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -16,18 +17,9 @@ from torch.func import grad, vmap
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
+from tests.conftest import grbm_away_from_init
 
-
-def random_grbm(
-    d: int, m: int, sigma: float = 0.7, weight_std: float = 0.8, seed: int = 0, coupling: str = "scaled"
-) -> GRBM:
-    """A float64 GRBM with every parameter away from its initial value."""
-    torch.manual_seed(seed)
-    model = GRBM(d, m, init_sigma=sigma, init_weight_std=weight_std, coupling=coupling).double()
-    with torch.no_grad():
-        model.b.normal_(0.0, 0.5)
-        model.c.normal_(0.0, 0.5)
-    return model
+random_grbm = partial(grbm_away_from_init, sigma=0.7, weight_std=0.8)
 
 
 def hidden_marginal(model: GRBM) -> tuple[torch.Tensor, torch.Tensor]:
