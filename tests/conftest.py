@@ -1,8 +1,14 @@
-"""Shared fixtures: small recipes written to a temporary folder, a CLI runner, and random GRBMs."""
+"""Shared fixtures: small recipes written to a temporary folder, a CLI runner, random GRBMs, and a
+run killed (kill -9) mid-training."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,6 +90,24 @@ def grbm_away_from_init(
         model.b.normal_(0.0, 0.5)
         model.c.normal_(0.0, 0.5)
     return model
+
+
+def kill_run_when(recipe: Path, out: Path, ready: Callable[[Path], bool], timeout: float = 120.0) -> None:
+    """Start ``eblvm run RECIPE --out OUT`` in a process and kill it (SIGKILL) as soon as a
+    ``last.pt`` checkpoint exists for which ``ready(path)`` holds, or when it ends or times out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        found = list(out.glob("*/*/checkpoints/last.pt"))
+        if found and ready(found[0]):
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
 
 
 def poison_at(monkeypatch, step: int, what) -> None:

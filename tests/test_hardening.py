@@ -19,7 +19,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.rundir import RunLock, new_run_dir
-from tests.conftest import SMALL_RECIPE, poison_at
+from tests.conftest import SMALL_RECIPE, kill_run_when, poison_at
 
 QUIET = lambda _line: None  # noqa: E731
 
@@ -132,22 +132,13 @@ def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_re
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 200")
     )
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        found = list(out.glob("*/*/checkpoints/last.pt"))
-        if found:
-            at = ckpt.load(found[0])["step"]
-            rows = (found[0].parents[1] / "metrics.jsonl").read_text().splitlines()
-            if rows and json.loads(rows[-1])["step"] >= at + 30:
-                break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+    def logged_past(checkpoint: Path) -> bool:
+        """Metrics logged at least 30 steps past the checkpoint's step."""
+        rows = (checkpoint.parents[1] / "metrics.jsonl").read_text().splitlines()
+        return bool(rows) and json.loads(rows[-1])["step"] >= ckpt.load(checkpoint)["step"] + 30
+
+    kill_run_when(recipe, out, ready=logged_past)
     killed = only_run_dir(out)
     at = ckpt.load(ckpt.last_checkpoint(killed))["step"]
     logged = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines() if line]

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
-from tests.conftest import SMALL_RECIPE, poison_at
+from tests.conftest import SMALL_RECIPE, kill_run_when, poison_at
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
@@ -96,19 +93,7 @@ def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
     full_dir, _ = run(recipe, out=tmp_path / "full", echo=quiet)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        found = list(out.glob("*/*/checkpoints/last.pt"))
-        if found:
-            break
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_run_when(recipe, out, ready=lambda _checkpoint: True)
     killed_dir = only_run_dir(out)
     killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
     assert killed_at < 1500, "the run finished before it could be killed; the test proves nothing"
@@ -312,7 +297,6 @@ def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_pa
     """A run killed after its last checkpoint logged steps that the resumed run logs again;
     TensorBoard must show each step once (the resumed writer purges what followed the checkpoint)."""
     import shutil
-    import time
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
