@@ -122,36 +122,39 @@ def main(argv: list[str] | None = None) -> None:
     print(f"each batch's statistics (train mode, released metric) {first['test_rmse_batch_stats']:.4f}")
     modules = (parts.posterior, parts.generator)
     states = [{k: b.clone() for k, b in m.state_dict().items()} for m in modules]
+
+    def restore() -> None:
+        """Batch norm's statistics (and the weights) back to the checkpoint's."""
+        for m, state in zip(modules, states):
+            m.load_state_dict(state)
+
     for seed in range(3):
         visualisation_passes(parts, args.batch_size, seed)
         after = readings()["test_rmse"]
         print(f"running statistics after the released visualisation passes (draw {seed}) {after:.4f}")
-        for m, state in zip(modules, states):
-            m.load_state_dict(state)
+        restore()
     for seed in range(2):
         reestimated_statistics(parts, args.batch_size, args.updates, seed)
         again = readings()["test_rmse"]
         print(f"running statistics re-estimated over {args.updates} updates' training passes (draw {seed}) {again:.4f}")
-        for m, state in zip(modules, states):
-            m.load_state_dict(state)
+        restore()
     batches = max(1, args.updates // 4)
     z = torch.randn(500, parts.generator.latent_dim, generator=torch.Generator().manual_seed(0))
-    samples = generated(parts, z.to(parts.device, parts.dtype))
+    z = z.to(parts.device, parts.dtype)
+    samples, energy = generated(parts, z)
     for split, seed in (("train", 0), ("train", 1), ("test", None)):
         reconstruction_passes(parts, split, args.batch_size, batches, seed)
         moved = readings()["test_rmse"]
         source = f"{split} images (draw {seed})" if seed is not None else "the test images in order (released metric)"
         print(f"running statistics after {batches} train-mode batches of G(μ(v)) on {source} {moved:.4f}")
         if seed == 0:
-            recalibrated = generated(parts, z.to(parts.device, parts.dtype))
-            change = (recalibrated[0] - samples[0]).pow(2).mean().sqrt()
+            recalibrated, energy_after = generated(parts, z)
+            change = (recalibrated - samples).pow(2).mean().sqrt()
             print(
-                f"  and the samples G(z) of 500 fixed z (eval mode): pixel std {samples[0].std():.3f} -> "
-                f"{recalibrated[0].std():.3f}, rms change {change:.4f}, mean energy {samples[1]:.3f} -> "
-                f"{recalibrated[1]:.3f}"
+                f"  and the samples G(z) of 500 fixed z (eval mode): pixel std {samples.std():.3f} -> "
+                f"{recalibrated.std():.3f}, rms change {change:.4f}, mean energy {energy:.3f} -> {energy_after:.3f}"
             )
-        for m, state in zip(modules, states):
-            m.load_state_dict(state)
+        restore()
 
 
 if __name__ == "__main__":
