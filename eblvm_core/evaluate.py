@@ -29,7 +29,7 @@ from eblvm_core.plot import image_grid, render, scatter
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
 from eblvm_core.rundir import RECIPE, append_metrics, find_run_dir
-from eblvm_core.state import RunState
+from eblvm_core.state import RunState, evaluation_mode
 
 
 def _stderr(line: str) -> None:
@@ -164,8 +164,8 @@ def load_run(
     Overrides may change what a resume may change and the [sampler]. The networks, the
     estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA of each role that
     keeps one are restored by the trainer's own code, and the EMA weights put in place;
-    optimizers are not needed. ``seed`` seeds every RNG afterwards, so evaluations and samples
-    are repeatable.
+    optimizers are not needed. The networks are left in eval mode. ``seed`` seeds every RNG
+    afterwards, so evaluations and samples are repeatable.
     """
     run_dir, note = find_run_dir(run_dir)
     if note is not None:
@@ -186,6 +186,8 @@ def load_run(
     restored = RunState(recipe, built, run_dir)
     restored.restore(state, training=False, source=path)
     restored.use_ema()
+    for net in built.parts.networks().values():
+        net.eval()  # as training evaluates: batch norm's running statistics, no power iteration
     ckpt.seed_everything(seed)
     return LoadedRun(run_dir, recipe, built, restored.step, checkpoint, seed)
 
@@ -203,14 +205,15 @@ def run_evaluators(
 ) -> EvalResult:
     """Run the run's evaluators (or ``evaluators``, (name, evaluator) pairs): scalars and images
     keyed ``eval/<name>/<key>`` as in training; an evaluator's ``announce`` line goes to ``echo``
-    before it starts."""
+    before it starts. The networks' modes and buffers are put back after each, as in training."""
     scalars: dict[str, float] = {}
     images: dict[str, Tensor] = {}
     for name, evaluator in run.built.evaluators if evaluators is None else evaluators:
         announce = getattr(evaluator, "announce", None)
         if announce:
             echo(f"{name}: {announce}")
-        result = evaluator(run.parts)
+        with evaluation_mode(run.parts.networks().values()):
+            result = evaluator(run.parts)
         scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
         images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
     return EvalResult(scalars, images)

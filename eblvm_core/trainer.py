@@ -27,7 +27,7 @@ from eblvm_core.launch import resume_command
 from eblvm_core.optim import device_rate, optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe
 from eblvm_core.rundir import append_metrics
-from eblvm_core.state import RunState
+from eblvm_core.state import RunState, evaluation_mode
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -140,9 +140,10 @@ class Trainer(RunState):
                 logger.log_images(self.step, images)
 
     def evaluate(self) -> dict[str, float]:
-        """Run every evaluator (on EMA weights where enabled) without disturbing the training RNG;
-        on rank 0 alone, with collectives off (the other ranks return {} and wait for it at their
-        next collective)."""
+        """Run every evaluator (on EMA weights where enabled, the networks in eval mode) without
+        disturbing the training: after each one, the RNG and the networks' modes and buffers are
+        put back. On rank 0 alone, with collectives off (the other ranks return {} and wait for
+        it at their next collective)."""
         if self.rank:
             return {}
         scalars: dict[str, float] = {}
@@ -154,7 +155,7 @@ class Trainer(RunState):
                 announce = getattr(evaluator, "announce", None)
                 if announce:
                     self.say(f"step {self.step}: {name}: {announce}")
-                with torch.random.fork_rng(devices=devices):
+                with torch.random.fork_rng(devices=devices), evaluation_mode(self.parts.networks().values()):
                     result = evaluator(self.parts)
                 scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
                 images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})

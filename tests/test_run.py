@@ -379,3 +379,47 @@ def test_cudnn_autotuning_is_on_only_inside_a_cuda_run_that_asks_for_it():
     with pytest.raises(RuntimeError, match="fails"), cudnn_autotuned(cuda, True):
         raise RuntimeError("a block that fails")
     assert torch.backends.cudnn.benchmark is False
+
+
+def test_evaluating_along_the_way_leaves_the_training_as_it_was(tmp_path):
+    """digits_bidvl's energy is spectrally normalised and its encoder and generator hold batch norm:
+    ood-auroc (the energy) and reconstruction (the encoder and the generator, also in train mode)
+    every 5 steps must leave the same networks, buffers included, to the bit, as no evaluation."""
+    import tomllib
+
+    import eblvm
+
+    data = tomllib.loads((RECIPES / "digits_bidvl.toml").read_text())
+    data["run"].update(steps=15, checkpoint_every=15, eval_every=5, threads=1)
+    for section in ("model", "posterior", "generator"):
+        data[section]["base"] = 8
+    data["eval"] = [{"kind": "ood-auroc", "n": 100}, {"kind": "reconstruction", "n": 100, "batch_size": 50}]
+    along = eblvm.train(data, out=tmp_path / "along", echo=None).run_dir
+    data["eval"] = []
+    without = eblvm.train(data, out=tmp_path / "without", echo=None).run_dir
+
+    records = [json.loads(line) for line in (along / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval/ood-auroc/uniform_auroc" in r] == [5, 10, 15]
+    a, b = (ckpt.load(d / "checkpoints" / "last.pt")["networks"] for d in (along, without))
+    assert a.keys() == b.keys() == {"model", "posterior", "generator"}
+    for section in a:
+        assert a[section].keys() == b[section].keys()
+        for key in a[section]:
+            assert torch.equal(a[section][key], b[section][key]), f"{section}.{key}"
+
+
+def test_evaluation_mode_puts_back_the_modes_and_buffers_whatever_the_evaluator_did():
+    from eblvm_core.state import evaluation_mode
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    net[0].eval()  # modes differ between submodules
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with evaluation_mode([net]):
+        assert not any(m.training for m in net.modules())
+        net.train()  # an evaluator that reads batch statistics and leaves them moved
+        net(torch.randn(8, 2))
+        assert not torch.equal(net[1].running_mean, before["1.running_mean"])
+    assert [m.training for m in net.modules()] == [True, False, True]
+    for key, value in net.state_dict().items():
+        assert torch.equal(value, before[key]), key
