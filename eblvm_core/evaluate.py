@@ -29,7 +29,7 @@ from eblvm_core.plot import image_grid, render, scatter
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Section, check_unchanged, load_recipe, with_run
 from eblvm_core.rundir import RECIPE, append_metrics, find_run_dir
-from eblvm_core.state import RunState, evaluation_mode
+from eblvm_core.state import RunState, call_evaluators
 
 
 def _stderr(line: str) -> None:
@@ -206,17 +206,7 @@ def run_evaluators(
     """Run the run's evaluators (or ``evaluators``, (name, evaluator) pairs): scalars and images
     keyed ``eval/<name>/<key>`` as in training; an evaluator's ``announce`` line goes to ``echo``
     before it starts. The networks' modes and buffers are put back after each, as in training."""
-    scalars: dict[str, float] = {}
-    images: dict[str, Tensor] = {}
-    for name, evaluator in run.built.evaluators if evaluators is None else evaluators:
-        announce = getattr(evaluator, "announce", None)
-        if announce:
-            echo(f"{name}: {announce}")
-        with evaluation_mode(run.parts.networks().values()):
-            result = evaluator(run.parts)
-        scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
-        images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
-    return EvalResult(scalars, images)
+    return call_evaluators(run.parts, run.built.evaluators if evaluators is None else evaluators, echo)
 
 
 def record(run: LoadedRun, result: EvalResult, log: bool = True) -> list[Path]:

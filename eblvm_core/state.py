@@ -8,7 +8,7 @@ without training."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from torch import nn
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
+from eblvm_core.contracts import EvalResult, Parts
 from eblvm_core.data import Batches
 from eblvm_core.errors import CheckpointError, ConfigError
 from eblvm_core.optim import optimizer_params
@@ -43,6 +44,28 @@ def evaluation_mode(networks: Iterable[nn.Module]) -> Iterator[None]:
             with torch.no_grad():
                 for b, value in zip(net.buffers(), kept):
                     b.copy_(value)
+
+
+def call_evaluators(
+    parts: Parts, evaluators: Iterable[tuple[str, Any]], announce: Callable[[str], None], keep_rng: bool = False
+) -> EvalResult:
+    """Call each (name, evaluator) on ``parts`` in ``evaluation_mode`` (with ``keep_rng``, also
+    inside a fork of the RNG, so the caller's stream goes on as if nothing had run); an
+    evaluator's ``announce`` line goes to ``announce`` as "<name>: <line>" before it starts.
+    Scalars and images keyed ``eval/<name>/<key>``."""
+    devices = [parts.device] if parts.device.type == "cuda" else []
+    scalars: dict[str, float] = {}
+    images: dict[str, torch.Tensor] = {}
+    for name, evaluator in evaluators:
+        line = getattr(evaluator, "announce", None)
+        if line:
+            announce(f"{name}: {line}")
+        rng = torch.random.fork_rng(devices=devices) if keep_rng else contextlib.nullcontext()
+        with rng, evaluation_mode(parts.networks().values()):
+            result = evaluator(parts)
+        scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
+        images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
+    return EvalResult(scalars, images)
 
 
 class RunState:

@@ -27,7 +27,7 @@ from eblvm_core.launch import resume_command
 from eblvm_core.optim import device_rate, optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe
 from eblvm_core.rundir import append_metrics
-from eblvm_core.state import RunState, evaluation_mode
+from eblvm_core.state import RunState, call_evaluators
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -146,19 +146,12 @@ class Trainer(RunState):
         it at their next collective)."""
         if self.rank:
             return {}
-        scalars: dict[str, float] = {}
-        images: dict[str, Tensor] = {}
-        devices = [self.parts.device] if self.parts.device.type == "cuda" else []
         start = time.perf_counter()
         with self.ema_weights(), distributed.local():
-            for name, evaluator in self.built.evaluators:
-                announce = getattr(evaluator, "announce", None)
-                if announce:
-                    self.say(f"step {self.step}: {name}: {announce}")
-                with torch.random.fork_rng(devices=devices), evaluation_mode(self.parts.networks().values()):
-                    result = evaluator(self.parts)
-                scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
-                images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
+            result = call_evaluators(
+                self.parts, self.built.evaluators, lambda line: self.say(f"step {self.step}: {line}"), keep_rng=True
+            )
+        scalars, images = result.scalars, result.images
         if scalars or images:
             self.record(scalars, images)
         if scalars and self.step < self.recipe.run.steps:  # the final evaluation is printed by the caller

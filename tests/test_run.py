@@ -423,3 +423,23 @@ def test_evaluation_mode_puts_back_the_modes_and_buffers_whatever_the_evaluator_
     assert [m.training for m in net.modules()] == [True, False, True]
     for key, value in net.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_call_evaluators_keys_results_announces_and_keeps_the_callers_random_stream_when_asked():
+    from eblvm_core.contracts import EvalResult, Parts
+    from eblvm_core.state import call_evaluators
+
+    def draw(_parts):
+        return EvalResult(scalars={"u": float(torch.rand(()))})
+
+    draw.announce = "one uniform draw"
+    lines: list[str] = []
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    kept = call_evaluators(Parts(), [("draw", draw)], lines.append, keep_rng=True)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's stream is where it was
+    moved = call_evaluators(Parts(), [("draw", draw)], lines.append)
+    assert not torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(0)
+    assert kept.scalars == moved.scalars == {"eval/draw/u": float(torch.rand(()))}
+    assert lines == ["draw: one uniform draw"] * 2
