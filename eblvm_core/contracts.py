@@ -6,9 +6,10 @@ the flattened size), h is (B, m). Energies follow the sign convention p(v, h) âˆ
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
@@ -391,6 +392,27 @@ class Evaluator(Protocol):
 
     def __call__(self, parts: Any) -> EvalResult:
         """Evaluate the run's live parts (model, posterior, data, device...)."""
+
+
+@contextlib.contextmanager
+def evaluation_mode(networks: Iterable[nn.Module]) -> Iterator[None]:
+    """Within the block every network is in eval mode (batch norm reads its running statistics,
+    spectral norm skips its power iteration); afterwards each gets its mode and every buffer back,
+    so an evaluation leaves the training where it found it, whatever the evaluator switched or wrote."""
+    networks = list(networks)
+    modes = [{name: m.training for name, m in net.named_modules()} for net in networks]
+    buffers = [[b.detach().clone() for b in net.buffers()] for net in networks]
+    for net in networks:
+        net.eval()
+    try:
+        yield
+    finally:
+        for net, net_modes, kept in zip(networks, modes, buffers):
+            for name, m in net.named_modules():
+                m.training = net_modes[name]
+            with torch.no_grad():
+                for b, value in zip(net.buffers(), kept):
+                    b.copy_(value)
 
 
 def reporting(keys: Any) -> Callable[[Callable[..., EvalResult]], Callable[..., EvalResult]]:

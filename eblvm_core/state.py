@@ -13,37 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
-from eblvm_core.contracts import EvalResult, Parts
+from eblvm_core.contracts import EvalResult, Parts, evaluation_mode
 from eblvm_core.data import Batches
 from eblvm_core.errors import CheckpointError, ConfigError
 from eblvm_core.optim import optimizer_params
 from eblvm_core.recipe import Recipe, training_part
-
-
-@contextlib.contextmanager
-def evaluation_mode(networks: Iterable[nn.Module]) -> Iterator[None]:
-    """Within the block every network is in eval mode (batch norm reads its running statistics,
-    spectral norm skips its power iteration); afterwards each gets its mode and every buffer back,
-    so an evaluation leaves the training where it found it, whatever the evaluator switched or wrote."""
-    networks = list(networks)
-    modes = [{name: m.training for name, m in net.named_modules()} for net in networks]
-    buffers = [[b.detach().clone() for b in net.buffers()] for net in networks]
-    for net in networks:
-        net.eval()
-    try:
-        yield
-    finally:
-        for net, net_modes, kept in zip(networks, modes, buffers):
-            for name, m in net.named_modules():
-                m.training = net_modes[name]
-            with torch.no_grad():
-                for b, value in zip(net.buffers(), kept):
-                    b.copy_(value)
 
 
 def call_evaluators(

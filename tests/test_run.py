@@ -409,7 +409,7 @@ def test_evaluating_along_the_way_leaves_the_training_as_it_was(tmp_path):
 
 
 def test_evaluation_mode_puts_back_the_modes_and_buffers_whatever_the_evaluator_did():
-    from eblvm_core.state import evaluation_mode
+    from eblvm_core.contracts import evaluation_mode
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))

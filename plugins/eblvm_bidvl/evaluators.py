@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import option, positive, structure
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, reporting
+from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, evaluation_mode, reporting
 from eblvm_core.errors import ConfigError
 from eblvm_core.plot import image_grid
 from eblvm_core.plugins import registry
@@ -72,27 +72,18 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
         n = min(cfg.n, parts.data.size(cfg.split))
         totals, shown = {False: 0.0, True: 0.0}, None
         modules = (parts.posterior, parts.generator)
-        modes = [m.training for m in modules]
-        kept = [{name: b.clone() for name, b in m.named_buffers()} for m in modules]
-        try:
-            with torch.no_grad():
-                for batch_stats in (False, True):  # running statistics first: train mode moves them
-                    for m in modules:
-                        m.train(batch_stats)
-                    for start in range(0, n, cfg.batch_size):
-                        v = parts.data.take(cfg.split, torch.arange(start, min(start + cfg.batch_size, n))).to(
-                            parts.device, parts.dtype
-                        )
-                        recon = parts.generator(parts.posterior.mean(v))
-                        totals[batch_stats] += float((recon - v).square().sum())
-                        if shown is None and cfg.images:
-                            shown = (v[: cfg.images], recon[: cfg.images])
-        finally:
-            for m, mode, buffers in zip(modules, modes, kept):
-                m.train(mode)
-                with torch.no_grad():
-                    for name, b in m.named_buffers():
-                        b.copy_(buffers[name])
+        with torch.no_grad(), evaluation_mode(modules):  # modes and running statistics put back after
+            for batch_stats in (False, True):  # running statistics first: train mode moves them
+                for m in modules:
+                    m.train(batch_stats)
+                for start in range(0, n, cfg.batch_size):
+                    v = parts.data.take(cfg.split, torch.arange(start, min(start + cfg.batch_size, n))).to(
+                        parts.device, parts.dtype
+                    )
+                    recon = parts.generator(parts.posterior.mean(v))
+                    totals[batch_stats] += float((recon - v).square().sum())
+                    if shown is None and cfg.images:
+                        shown = (v[: cfg.images], recon[: cfg.images])
         scalars = {
             f"{cfg.split}_rmse{'_batch_stats' if batch_stats else ''}": math.sqrt(total / (n * parts.data.dim))
             for batch_stats, total in totals.items()
