@@ -281,9 +281,6 @@ class Estimator:
         """Restore what ``state_dict`` returned."""
 
 
-Split = Literal["train", "val", "test"]
-
-
 @attrs.frozen
 class DataSplits:
     """A data set: train, test and (optionally) val splits of examples shaped ``event_shape``.

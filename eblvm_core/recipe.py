@@ -105,7 +105,6 @@ SINGLE = {k.section: k.name for k in KINDS if k.section is not None and not k.ma
 LISTS = {k.section: k.name for k in KINDS if k.section is not None and k.many}
 REQUIRED = tuple(k.section for k in KINDS if k.required)
 TOP_LEVEL = ["run", *SINGLE, "optim", *LISTS]
-OPTIM_KEYS = ("schedule", "ema")  # keys of [optim.<role>] that the core handles, not the optimizer
 DEFAULT_LOGGER = "tensorboard"  # used when a recipe has no [[log]] (write `log = []` for none)
 
 
