@@ -248,6 +248,23 @@ def test_reconstruction_and_ood_evaluators_against_direct_computations():
     assert abs(ood["digits_auroc"] - 0.5) < 0.2  # the same data set, re-split: nearly indistinguishable
 
 
+def test_the_generator_sampler_reads_running_statistics_and_leaves_the_generator_training():
+    """Called directly on a generator in train mode, the sampler returns G(z) with batch norm's
+    running statistics (eval mode) and leaves the generator in train mode, its statistics unmoved."""
+    parts = tiny_parts()
+    parts.generator.train()
+    kept = {k: b.clone() for k, b in parts.generator.named_buffers()}
+    samples = make("samplers", "generator", parts).sample(parts.model, 12, torch.Generator().manual_seed(3))
+    assert all(m.training for m in parts.generator.modules())
+    assert all(torch.equal(kept[k], b) for k, b in parts.generator.named_buffers())
+    z = torch.randn(12, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    with torch.no_grad():
+        parts.generator.eval()
+        torch.testing.assert_close(samples, parts.generator(z))
+        parts.generator.train()  # each batch's statistics: other images (and the running ones move)
+        assert not torch.allclose(samples, parts.generator(z), atol=1e-3)
+
+
 def test_bidvl_refuses_mismatched_parts():
     from eblvm_core.errors import ConfigError
 

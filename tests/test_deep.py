@@ -220,8 +220,10 @@ def test_langevin_modes_and_trajectory():
     short = {"hot_steps": 3, "anneal_steps": 3, "cool_steps": 3, "snapshots": 4}
     for mode in ("via-q", "joint"):
         sampler = make("samplers", "annealed-langevin", parts, mode=mode, **short)
+        parts.model.train()
         first = sampler.sample(parts.model, 5, torch.Generator().manual_seed(1))
         assert first.shape == (5, 1, 8, 8) and sampler.trajectory.shape == (4, 5, 1, 8, 8)
+        assert all(m.training for m in parts.model.modules())  # the model is left in the mode it was in
         torch.testing.assert_close(sampler.sample(parts.model, 5, torch.Generator().manual_seed(1)), first)
     with pytest.raises(ConfigError, match="fully visible"):
         make("samplers", "annealed-langevin", parts, mode="marginal")

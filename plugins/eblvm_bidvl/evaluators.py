@@ -27,13 +27,8 @@ class GeneratorSampler(Sampler):
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
         param = next(self.generator.parameters())
         z = torch.randn(n, self.generator.latent_dim, generator=generator, dtype=param.dtype, device=param.device)
-        training = self.generator.training
-        self.generator.eval()
-        try:
-            with torch.no_grad():
-                return self.generator(z)
-        finally:
-            self.generator.train(training)
+        with torch.no_grad(), evaluation_mode([self.generator]):
+            return self.generator(z)
 
 
 def build_generator_sampler(cfg: NoConfig, parts: Parts) -> GeneratorSampler:

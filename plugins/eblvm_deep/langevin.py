@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, EnergyModel, Parts, Posterior, Sampler
+from eblvm_core.contracts import DataSplits, EnergyModel, Parts, Posterior, Sampler, evaluation_mode
 from eblvm_core.errors import ConfigError
 
 
@@ -103,25 +103,21 @@ class AnnealedLangevin(Sampler):
             else set()
         )
         snapshots = []
-        eps, training = cfg.step, model.training
-        model.eval()
-        try:
-            with torch.enable_grad():
-                for i, t in enumerate(self._progress(self.temps)):
-                    inputs = [v.requires_grad_(True)] + ([h.requires_grad_(True)] if h is not None else [])
-                    grads = torch.autograd.grad(energy(inputs[0], h).sum(), inputs)
-                    scale = math.sqrt(t) * eps
-                    v = (v - 0.5 * eps**2 * grads[0] + scale * noise(*v.shape)).detach()
-                    if h is not None:
-                        h = (h - 0.5 * eps**2 * grads[1] + scale * noise(*h.shape)).detach()
-                    if i in keep:
-                        snapshots.append(v.cpu())
-                if cfg.sigma0 is not None:
-                    v = v.requires_grad_(True)
-                    (grad,) = torch.autograd.grad(energy(v, h).sum(), v)
-                    v = (v - cfg.sigma0**2 * grad).detach()
-        finally:
-            model.train(training)
+        eps = cfg.step
+        with evaluation_mode([model]), torch.enable_grad():
+            for i, t in enumerate(self._progress(self.temps)):
+                inputs = [v.requires_grad_(True)] + ([h.requires_grad_(True)] if h is not None else [])
+                grads = torch.autograd.grad(energy(inputs[0], h).sum(), inputs)
+                scale = math.sqrt(t) * eps
+                v = (v - 0.5 * eps**2 * grads[0] + scale * noise(*v.shape)).detach()
+                if h is not None:
+                    h = (h - 0.5 * eps**2 * grads[1] + scale * noise(*h.shape)).detach()
+                if i in keep:
+                    snapshots.append(v.cpu())
+            if cfg.sigma0 is not None:
+                v = v.requires_grad_(True)
+                (grad,) = torch.autograd.grad(energy(v, h).sum(), v)
+                v = (v - cfg.sigma0**2 * grad).detach()
         return v, (torch.stack(snapshots) if snapshots else None)
 
     @staticmethod
