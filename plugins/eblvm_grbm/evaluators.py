@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import EvalResult, Parts, reporting
@@ -126,10 +127,15 @@ class PosteriorKLConfig:
     n: int = option(1000, "points averaged (the first n of the split)", positive)
 
 
-def bernoulli_kl(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """KL(Bern(q) ‖ Bern(p)) summed over the last dimension, from probabilities (..., m) -> (...)."""
-    q, p = q.clamp(1e-12, 1 - 1e-12), p.clamp(1e-12, 1 - 1e-12)
-    return (q * (q / p).log() + (1 - q) * ((1 - q) / (1 - p)).log()).sum(-1)
+def bernoulli_kl(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(σ(a)) ‖ Bern(σ(b))) summed over the last dimension, from logits a, b (..., m) -> (...), in float64.
+
+    Written with log σ, so it stays finite and accurate for any finite logits: from probabilities
+    in float32, σ rounds to 1 beyond a logit of about 17 and the KL came out nan or inf.
+    """
+    a, b = q_logits.double(), p_logits.double()
+    log_q, log_p, log_not_q, log_not_p = (F.logsigmoid(x) for x in (a, b, -a, -b))
+    return (log_q.exp() * (log_q - log_p) + log_not_q.exp() * (log_not_q - log_not_p)).sum(-1)
 
 
 def build_posterior_kl(cfg: PosteriorKLConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
@@ -153,7 +159,7 @@ def build_posterior_kl(cfg: PosteriorKLConfig, parts: Parts) -> Callable[[Parts]
         """Mean over points of Σ_j KL(Bern(σ(l_j(v))) ‖ Bern(σ(c_j + (Uᵀv)_j))), in nats, and its standard error."""
         v = parts.data.tensor(cfg.split, cfg.n)
         with torch.no_grad():
-            values = bernoulli_kl(torch.sigmoid(parts.posterior.logits(v)), torch.sigmoid(parts.model.hidden_logits(v)))
+            values = bernoulli_kl(parts.posterior.logits(v), parts.model.hidden_logits(v))
         return EvalResult.mean_over_points(f"{cfg.split}_posterior_kl", values)
 
     return evaluate
