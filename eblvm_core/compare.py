@@ -36,7 +36,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.errors import ConfigError
+from eblvm_core.errors import ConfigError, TrainingDiverged
 from eblvm_core.rundir import Provenance
 from eblvm_core.spec import Spec, load_spec, select, slug
 
@@ -204,7 +204,10 @@ def compare(
     ``seed_offset`` replaces the spec's first seed (more seeds of a finished comparison);
     ``overrides`` apply to every method after the spec's and the grid's; ``only`` names the rows
     to train, a method's name meaning all its rows (the others are tabulated from earlier runs
-    in ``out``: their records in done/, else their finished run directories, without training)."""
+    in ``out``: their records in done/, else their finished run directories, without training).
+    A run that stops on a NaN or an infinity (TrainingDiverged) is reported, left out of the table
+    and not recorded, so a rerun retries it; the others go on, and once everything is tabulated
+    the comparison raises TrainingDiverged naming the runs that stopped."""
     import tomli_w
 
     from eblvm_core.recipe import load_recipe
@@ -275,8 +278,18 @@ def compare(
             echo(f"  {task['method']} seed {task['seed']}: continuing {unfinished[0]}")
         pending.append(index)
 
-    def done(index: int, result: dict[str, Any]) -> None:
-        write_done_record(tasks[index], result, out)
+    stopped: dict[tuple[str, int], str] = {}  # (method, seed) -> why the run stopped
+
+    def done(index: int, outcome: Callable[[], dict[str, Any]]) -> None:
+        """Record the run's result, or report it stopped on a NaN (TrainingDiverged) and go on."""
+        task = tasks[index]
+        try:
+            result = outcome()
+        except TrainingDiverged as error:
+            stopped[task["method"], task["seed"]] = str(error)
+            echo(f"  {task['method']} seed {task['seed']}: stopped, left out of the table: {error}")
+            return
+        write_done_record(task, result, out)
         echo(f"  {result['method']} seed {result['seed']}: {result['seconds']:.1f} s  {result['run_dir']}")
         by_index[index] = result
 
@@ -285,20 +298,24 @@ def compare(
             futures = {pool.submit(run_one, tasks[index]): index for index in pending}
             try:
                 for future in as_completed(futures):
-                    done(futures[future], future.result())
+                    done(futures[future], future.result)
             except BaseException:
                 pool.shutdown(cancel_futures=True)
                 raise
     else:
         for index in pending:
-            done(index, run_one(tasks[index]))
+            done(index, lambda index=index: run_one(tasks[index]))
     results = [by_index[index] for index in sorted(by_index)]
     (out / "results.json").write_text(
         json.dumps(
             {"spec": str(spec.path), "seeds": n_seeds, "steps": steps, "overrides": extra, "runs": results}, indent=2
         )
     )
-    table = markdown_table(spec, results)
+    table = markdown_table(spec, results, stopped={method for method, _ in stopped})
+    if stopped:
+        table += "\nStopped on a NaN or an infinity, left out of the table:\n\n" + "".join(
+            f"- {method} seed {seed}: {why}\n" for (method, seed), why in stopped.items()
+        )
     (out / "table.md").write_text(table)
     figure = compose_figure(spec, results)
     if figure is not None:
@@ -306,6 +323,11 @@ def compare(
 
         save_image(figure, out / "figure.png")
     echo(table)
+    if stopped:
+        raise TrainingDiverged(
+            f"{len(stopped)} of {len(tasks)} runs stopped on a NaN or an infinity and are left out of "
+            f"{out / 'table.md'}: " + ", ".join(f"{method} seed {seed}" for method, seed in stopped)
+        )
     return out
 
 
@@ -322,9 +344,10 @@ def mean_std(values: list[float]) -> str:
     return f"{mean:.4g} ± {statistics.stdev(values):.2g}"
 
 
-def markdown_table(spec: Spec, results: list[dict[str, Any]]) -> str:
+def markdown_table(spec: Spec, results: list[dict[str, Any]], stopped: set[str] = frozenset()) -> str:
     """One row per method (or grid point): each metric's mean ± std over seeds, the curve metric at each of
-    ``table_steps`` (from metrics.jsonl), and the mean wall time per run."""
+    ``table_steps`` (from metrics.jsonl), and the mean wall time per run; a row without results reads
+    "stopped" if its name is in ``stopped`` (every seed stopped on a NaN), else "not run"."""
     metrics, cfg = spec.compare.metrics, spec.compare
     at_steps = [f"{cfg.curve.removeprefix('eval/')} at step {step:,}" for step in cfg.table_steps]
     header = ["method", *(m.removeprefix("eval/") for m in metrics), *at_steps, "seeds", "time per run (s)"]
@@ -332,7 +355,8 @@ def markdown_table(spec: Spec, results: list[dict[str, Any]]) -> str:
     for method in spec.methods:
         runs = [r for r in results if r["method"] == method.name]
         if not runs:
-            lines.append("| " + " | ".join([method.name, *["not run"] * (len(header) - 3), "0", "n/a"]) + " |")
+            why = "stopped" if method.name in stopped else "not run"
+            lines.append("| " + " | ".join([method.name, *[why] * (len(header) - 3), "0", "n/a"]) + " |")
             continue
         cells = [method.name]
         for metric in metrics:

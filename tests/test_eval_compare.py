@@ -476,6 +476,47 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     assert len(json.loads((cd_dir / "run.json").read_text())["sessions"]) == 1  # never trained again
 
 
+def test_a_run_stopped_on_a_nan_leaves_the_others_to_finish_and_the_comparison_exits_3(cli, tmp_path):
+    """DSM under SGD at rate 2 reaches a NaN log-likelihood at its first evaluation (step 20); in two
+    processes, CD's two seeds still train and are tabulated, the stopped runs are named in table.md
+    (their row reads "stopped") and in one closing error line, and nothing is recorded for them."""
+    spec = write_spec(
+        tmp_path,
+        f"""
+        [compare]
+        name = "one_diverges"
+        metrics = ["eval/exact-loglik/test_loglik"]
+        overrides = ["run.eval_every=20", "run.checkpoint_every=20", "data.n_train=500", "data.n_test=200"]
+
+        [[method]]
+        name = "DSM at rate 2"
+        recipe = "{RECIPES / "grbm_dsm.toml"}"
+        overrides = ["optim.model.kind=\\"sgd\\"", "optim.model.lr=2.0"]
+
+        [[method]]
+        name = "CD"
+        recipe = "{RECIPES / "grbm_cd.toml"}"
+        """,
+    )
+    out = tmp_path / "results"
+    result = cli(["compare", spec, "--seeds", "2", "--jobs", "2", "--steps", "20", "--out", out, "--device", "cpu"])
+    assert result.exit_code == 3 and "Traceback" not in result.output, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    head = f"error: 2 of 4 runs stopped on a NaN or an infinity and are left out of {out / 'table.md'}: "
+    assert error.startswith(head), error
+    assert sorted(error.removeprefix(head).split(", ")) == ["DSM at rate 2 seed 0", "DSM at rate 2 seed 1"], error
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert sorted((r["method"], r["seed"]) for r in runs) == [("CD", 0), ("CD", 1)]
+    assert sorted(p.name for p in (out / "done").iterdir()) == ["CD-seed0.json", "CD-seed1.json"]
+    table = (out / "table.md").read_text()
+    cd_row = next(line for line in table.splitlines() if line.startswith("| CD |"))
+    values = [r["final"]["eval/exact-loglik/test_loglik"] for r in runs]
+    assert f"{sum(values) / 2:.4g} ± {abs(values[0] - values[1]) / math.sqrt(2):.2g} | 2 |" in cd_row, table
+    assert "| DSM at rate 2 | stopped | 0 | n/a |" in table, table
+    for seed in (0, 1):
+        assert f"- DSM at rate 2 seed {seed}: step 20: evaluation gave eval/exact-loglik/test_loglik = nan" in table
+
+
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:
     validation-selected best.pt, re-evaluated by the [[final_eval]] evaluators, sample images."""
