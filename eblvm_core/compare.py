@@ -45,8 +45,8 @@ from eblvm_core.spec import Spec, load_spec, select, slug
 
 def run_one(task: dict[str, Any]) -> dict[str, Any]:
     """Train one (row, seed) and gather what the summary needs; runs in a worker process
-    when --jobs > 1. Returns {method (the row's name), seed, run_dir, seconds, final, image}, and
-    for a grid point {grid: {method, point}}."""
+    when --jobs > 1. Returns {method (the row's name), seed, run_dir, seconds (with the earlier
+    sessions' of a resumed run), final, image}, and for a grid point {grid: {method, point}}."""
     from eblvm_core.plugins import load
     from eblvm_core.session import run as train
 
@@ -55,6 +55,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(task["threads"])
     log_path = Path(task["log"])
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    earlier = Provenance(task["resume"]).seconds if task["resume"] else 0.0  # a resumed run's earlier sessions
     start = time.perf_counter()
     with open(log_path, "w") as log:
 
@@ -66,7 +67,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
             run_dir, final = train(None, task["resume_overrides"], task["device"], resume=task["resume"], echo=echo)
         else:
             run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo)
-    seconds = time.perf_counter() - start
+    seconds = earlier + time.perf_counter() - start
     final = _tabulated(run_dir, task, final)
     image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
     result = {

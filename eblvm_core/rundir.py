@@ -308,6 +308,18 @@ class Provenance:
         """Whether the last session ended with the run's final evaluation (finished, or stopped early)."""
         return self.status in ENDED
 
+    @property
+    def seconds(self) -> float:
+        """Wall time of the sessions that recorded their end, summed (to the second): the time
+        spent on the run so far; a session killed without an end counts 0."""
+        parse = datetime.datetime.fromisoformat
+        spans = [
+            parse(s["ended"]) - parse(s["started"])
+            for s in self.data["sessions"]
+            if s.get("started") and s.get("ended")
+        ]
+        return float(sum(span.total_seconds() for span in spans))
+
     def start(self, device: str, world: int, step: int, threads: int, command: str | None = None) -> None:
         """Open a session: device, processes and CPU threads per process, from ``step``; ``command``
         says what started it when it was not a command line (``eblvm.train(...)``)."""

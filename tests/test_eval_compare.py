@@ -3,6 +3,7 @@ resume of the baselines' estimator state, and ``eblvm compare`` end to end."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import textwrap
@@ -422,6 +423,13 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     with pytest.raises(KeyboardInterrupt):
         comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
     assert trained == ["CD", "DSM"] and not (out / "results.json").exists()
+    (dsm_dir,) = (out / "runs" / "DSM-seed0").iterdir()
+    provenance = json.loads((dsm_dir / "run.json").read_text())
+    first = provenance["sessions"][0]  # said to have taken 1,000 s longer: the time column must count it
+    first["started"] = (
+        datetime.datetime.fromisoformat(first["started"]) - datetime.timedelta(seconds=1000)
+    ).isoformat()
+    (dsm_dir / "run.json").write_text(json.dumps(provenance))
 
     def counted(task):
         trained.append(task["method"])
@@ -436,6 +444,7 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     assert [len(list((out / "runs" / name).iterdir())) for name in ("CD-seed0", "DSM-seed0")] == [1, 1]
     resumed = ckpt.load(Path(runs["DSM"]["run_dir"]) / "checkpoints" / "last.pt")
     assert resumed["step"] == 20
+    assert 1000 <= runs["DSM"]["seconds"] < 1000 + 300 and runs["CD"]["seconds"] < 300  # both sessions' time
 
     straight_dir, straight = train(
         out / "recipes" / "DSM.toml", ["run.seed=0", "run.name=straight"], "cpu", tmp_path / "x", echo=lambda _: None
