@@ -27,7 +27,7 @@ import multiprocessing
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -345,7 +345,7 @@ def mean_std(values: list[float]) -> str:
     return f"{mean:.4g} ± {statistics.stdev(values):.2g}"
 
 
-def markdown_table(spec: Spec, results: list[dict[str, Any]], stopped: set[str] = frozenset()) -> str:
+def markdown_table(spec: Spec, results: list[dict[str, Any]], stopped: Container[str] = frozenset()) -> str:
     """One row per method (or grid point): each metric's mean ± std over seeds, the curve metric at each of
     ``table_steps`` (from metrics.jsonl), and the mean wall time per run; a row without results reads
     "stopped" if its name is in ``stopped`` (every seed stopped on a NaN), else "not run"."""

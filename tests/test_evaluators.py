@@ -272,17 +272,17 @@ def test_posterior_kl_stays_exact_where_float32_probabilities_round_to_one():
     """Σ_j KL(Bern(σ(a_j)) ‖ Bern(σ(b_j))) from float32 logits equals the same KL computed from the
     probabilities in 50-digit decimal arithmetic, also at logits of 20-40, where σ rounds to 1 in
     float32 (the scaled-coupling GRBM's posterior logits grow there; the KL used to come out nan)."""
-    from decimal import Decimal, getcontext
+    from decimal import Decimal, localcontext
 
     from eblvm_grbm.evaluators import bernoulli_kl
 
-    getcontext().prec = 50
     a = torch.tensor([[20.0, -25.0, 40.0, 3.0], [0.5, 30.0, -2.0, 17.5]])
     b = torch.tensor([[18.0, -30.0, 41.0, 3.001], [0.5, 33.0, -1.0, 18.0]])
 
     def exact(x: float, y: float) -> float:
-        q, p = 1 / (1 + (-Decimal(x)).exp()), 1 / (1 + (-Decimal(y)).exp())
-        return float(q * (q / p).ln() + (1 - q) * ((1 - q) / (1 - p)).ln())
+        with localcontext(prec=50):
+            q, p = 1 / (1 + (-Decimal(x)).exp()), 1 / (1 + (-Decimal(y)).exp())
+            return float(q * (q / p).ln() + (1 - q) * ((1 - q) / (1 - p)).ln())
 
     want = [sum(exact(x, y) for x, y in zip(row_a.tolist(), row_b.tolist())) for row_a, row_b in zip(a, b)]
     got = bernoulli_kl(a, b)
