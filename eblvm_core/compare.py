@@ -276,7 +276,9 @@ def compare(
             continue
         if unfinished is not None:
             task["resume"], task["resume_overrides"] = str(unfinished[0]), unfinished[1]
-            echo(f"  {task['method']} seed {task['seed']}: continuing {unfinished[0]}")
+            finished = not unfinished[1] and Provenance(unfinished[0]).finished  # nothing left to train
+            what = "finished earlier, tabulated " if finished else "continuing"
+            echo(f"  {task['method']} seed {task['seed']}: {what} {unfinished[0]}")
         pending.append(index)
 
     stopped: dict[tuple[str, int], str] = {}  # (method, seed) -> why the run stopped

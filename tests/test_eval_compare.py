@@ -463,9 +463,12 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     assert trained == []
 
     # killed after CD finished but before its record was written: CD is "continued" (nothing to
-    # train) and tabulated from its final evaluation
+    # train, and said so) and tabulated from its final evaluation
     (out / "done" / "CD-seed0.json").unlink()
-    comparison.compare(spec, steps=20, out=out, device="cpu", echo=lambda _: None)
+    lines.clear()
+    comparison.compare(spec, steps=20, out=out, device="cpu", echo=lines.append)
+    assert any("CD seed 0: finished earlier, tabulated" in line for line in lines), lines
+    assert not any("continuing" in line for line in lines), lines
     again = {r["method"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
     assert trained == ["CD"] and again["CD"]["final"][loglik] == runs["CD"]["final"][loglik]
     assert len(list((out / "runs" / "CD-seed0").iterdir())) == 1
