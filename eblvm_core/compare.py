@@ -268,15 +268,12 @@ def compare(
             by_index[index] = earlier
             continue
         unfinished = unfinished_run(task, resolved[index])
-        if chosen is not None and task["method"] not in chosen:
-            if unfinished is not None and not unfinished[1] and Provenance(unfinished[0]).finished:
-                task["resume"] = str(unfinished[0])  # tabulated as it stands: nothing is trained
-                echo(f"  {task['method']} seed {task['seed']}: finished earlier, tabulated  {unfinished[0]}")
-                pending.append(index)
+        # a finished run with nothing left to train is tabulated as it stands
+        finished = unfinished is not None and not unfinished[1] and Provenance(unfinished[0]).finished
+        if chosen is not None and task["method"] not in chosen and not finished:
             continue
         if unfinished is not None:
             task["resume"], task["resume_overrides"] = str(unfinished[0]), unfinished[1]
-            finished = not unfinished[1] and Provenance(unfinished[0]).finished  # nothing left to train
             what = "finished earlier, tabulated " if finished else "continuing"
             echo(f"  {task['method']} seed {task['seed']}: {what} {unfinished[0]}")
         pending.append(index)
