@@ -3,11 +3,12 @@ gradient, with the posterior and the unrolled steps varied one at a time (docs/r
 
     python benchmarks/bissm_expected_update.py RUN_DIR [RUN_DIR ...] [--batches 2000] [--only 'α = 3']
 
-Not a timing. For each run directory (a grbm_bissm or grbm_ssm run; its last checkpoint is
-loaded) it prints the exact SM gradient of the training set, g = ∇_θ mean[½‖∇log p‖² + tr ∇²log p]
-(the expectation of SSM's), and for each variant the mean of BiSSM's hypergradient over
-``--batches`` random batches of the recipe's size with its standard error, the distance of that
-mean from g, and the distance's own Monte-Carlo floor √(tr Cov / batches). Where BiSSM's
+Not a timing. For each run directory (a grbm_bissm or grbm_ssm run, either coupling: the run's
+own [model] table is used; its last checkpoint is loaded, or ``--checkpoint``) it prints the
+exact SM gradient of the training set, g = ∇_θ mean[½‖∇log p‖² + tr ∇²log p] (the expectation
+of SSM's), and for each variant the mean of BiSSM's hypergradient over ``--batches`` random
+batches of the recipe's size with its standard error, the distance of that mean from g, and the
+distance's own Monte-Carlo floor √(tr Cov / batches). Where BiSSM's
 training has settled, its expected update is about 0; a distance from g well above the floor
 there is the bias that moves its fixed point away from SSM's. The variants: the trained q or
 the exact posterior (representable: linear logits), the recipe's N = 5 unrolled steps at step
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import tomllib
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ from eblvm_bism import BiSMImplicit
 from eblvm_score.objectives import SM
 
 from eblvm_core import checkpoint as ckpt
+from eblvm_core.api import toml_value
 from eblvm_core.build import build
 from eblvm_core.contracts import exact_score
 from eblvm_core.recipe import load_recipe
@@ -71,10 +74,16 @@ FLAT_VARIANTS = [
 ]
 
 
-def bissm_parts(run_dir: Path):
-    """The run's parts rebuilt as a BiSSM (K = N = 5, sgd, step 1.0, T = 0.1) with the checkpoint's networks."""
-    state = ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))
-    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm.toml")
+def bissm_parts(run_dir: Path, checkpoint: Path | None = None):
+    """The run's parts rebuilt as a BiSSM (K = N = 5, sgd, step 1.0, T = 0.1) with the checkpoint's
+    networks (the last one unless given) and the run's own [model] table (its coupling above all)."""
+    state = ckpt.read_checkpoint(checkpoint or ckpt.last_checkpoint(run_dir))
+    with open(run_dir / "recipe.toml", "rb") as file:
+        model_table = tomllib.load(file)["model"]
+    recipe = load_recipe(
+        Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm.toml",
+        [f"model.{key}={toml_value(value)}" for key, value in model_table.items()],
+    )
     built = build(recipe, torch.device("cpu"))
     for name, net in built.parts.networks().items():
         if name in state["networks"]:
@@ -102,13 +111,18 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None, help="a checkpoint file (one run only; default: its last)"
+    )
     parser.add_argument("--batches", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--only", nargs="+", default=None, help="only the variants whose label contains one of these")
     args = parser.parse_args()
+    if args.checkpoint and len(args.runs) > 1:
+        parser.error("--checkpoint names one run's checkpoint: give one run directory")
     torch.set_num_threads(1)
     for run_dir in args.runs:
-        parts, step, has_q = bissm_parts(run_dir)
+        parts, step, has_q = bissm_parts(run_dir, args.checkpoint)
         estimator, x_all = parts.estimator, parts.data.tensor("train")
         names = [n for n, p in parts.model.named_parameters() if p.requires_grad]
         exact = flat(exact_sm_gradient(parts, x_all))
