@@ -1,4 +1,4 @@
-"""Why the bundled BiSSM falls under the scaled coupling (docs/results.md): two measurements. Not a timing.
+"""Why the bundled BiSSM falls under the scaled coupling (docs/results.md): three measurements. Not a timing.
 
     python benchmarks/bissm_exact_posterior.py gap RUN_DIR
     python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05]
