@@ -31,7 +31,7 @@ class GRBMConfig:
     coupling: Literal["scaled", "plain"] = option(
         "plain",
         "'plain': −vᵀWh, the papers' released code and every bundled recipe (so docs/results.md's numbers are "
-        "this model's); 'scaled': −vᵀWh/σ, the BiSM paper's formula (σ then enters the posterior: BiSM with five "
+        "this model's); 'scaled': −vᵀWh/σ, the BiSM paper's formula (σ then enters the posterior: BiSSM with five "
         "plain unrolled steps does not train under it, the Gauss-Newton unroll does; docs/results.md)",
     )
 
