@@ -17,9 +17,8 @@ same objective on the same points, for the run's N unrolled steps and for N = 0 
 derivative at φ*): what the hypergradient misses of the path through φ*(θ), in all and in log σ;
 ``--blur`` adds Gaussian noise of that size to the training points first (smooth data).
 
-``train``: grbm_bissm's step (K = 5 real posterior steps, N unrolled, one model step) with
-``--posterior exact`` putting q at the exact GRBM posterior before every model step instead of
-the K real steps: the objective is then exact SM and all that differs from exact-score SSM is the
+``train``: grbm_bissm's own estimator step (K = 5 real posterior steps, N unrolled, one model
+step) with ``--posterior exact`` putting q at the exact GRBM posterior in place of the K real steps: the objective is then exact SM and all that differs from exact-score SSM is the
 hypergradient's truncated path through φ*(θ). Prints the exact test log-likelihood (50,000
 points), the exact SM objective and σ every 2,500 steps.
 """
@@ -35,10 +34,9 @@ from bissm_expected_update import bissm_parts, flat, set_exact_posterior
 from eblvm_bism import modified_score
 from eblvm_score.objectives import SM
 
-from eblvm_core import checkpoint as ckpt
+from eblvm_core import api
 from eblvm_core.build import build
 from eblvm_core.contracts import exact_score
-from eblvm_core.optim import apply_update
 from eblvm_core.recipe import load_recipe
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm.toml"
@@ -79,15 +77,13 @@ def gap(run_dir: Path) -> None:
 
 
 def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float) -> None:
-    state = ckpt.read_checkpoint(checkpoint or ckpt.last_checkpoint(run_dir))
-    parts = build(load_recipe(run_dir / "recipe.toml"), torch.device("cpu")).parts
-    for name, net in parts.networks().items():
-        net.load_state_dict(state["networks"][name])
+    run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
+    parts = run.parts
     set_exact_posterior(parts)
     estimator, model, x_all = parts.estimator, parts.model, parts.data.tensor("train")
     x_all = x_all + blur * torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
     theta = [p for p in model.parameters() if p.requires_grad]
-    print(f"{run_dir} step {state['step']}: σ {float(model.sigma.detach()):.4f}, {type(estimator.objective).__name__}")
+    print(f"{run_dir} step {run.step}: σ {float(model.sigma.detach()):.4f}, {type(estimator.objective).__name__}")
     for unroll_steps in (estimator.unroll_steps, 0):
         estimator.unroll_steps = unroll_steps
         generator = torch.Generator().manual_seed(0)
@@ -115,16 +111,16 @@ def train(coupling: str, unroll_steps: int, steps: int, posterior: str) -> None:
     estimator, model = parts.estimator, parts.model
     x_train, x_test = parts.data.tensor("train"), parts.data.tensor("test")
     generator = torch.Generator().manual_seed(0)
-    for step in range(1, steps + 1):
-        x, context = estimator.objective.points(x_train[torch.randint(len(x_train), (100,), generator=generator)])
-        if posterior == "exact":
+    if posterior == "exact":
+
+        def exact_fit(*_inputs) -> dict[str, float]:
+            """In place of the step's K real posterior updates: q := the exact posterior."""
             set_exact_posterior(parts)
-        else:
-            estimator.fit_posterior(x, None, estimator.objective.point_weights(context))
-        grads, _ = estimator.hypergradient(x, context)
-        for p, g in zip(estimator.theta, grads):
-            p.grad = g
-        apply_update(estimator.optimizers["model"], None)
+            return {}
+
+        estimator.fit_posterior = exact_fit
+    for step in range(1, steps + 1):
+        estimator.step(x_train[torch.randint(len(x_train), (100,), generator=generator)])
         if step % 2500 == 0:
             with torch.no_grad():
                 loglik = float(model.log_likelihood(x_test).mean())
