@@ -1,7 +1,7 @@
 """Why the bundled BiSSM falls under the scaled coupling (docs/results.md): three measurements. Not a timing.
 
     python benchmarks/bissm_exact_posterior.py gap RUN_DIR
-    python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05]
+    python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data]
     python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact]
 
 ``gap``: for each checkpoint a grbm_bissm run kept (``[run] keep_every``), the exact SM objective
@@ -15,7 +15,9 @@ departure from the posterior does to the objective the model descends.
 exact posterior, the mean over batches of the hypergradient minus the exact-score gradient of the
 same objective on the same points, for the run's N unrolled steps and for N = 0 (the partial
 derivative at φ*): what the hypergradient misses of the path through φ*(θ), in all and in log σ;
-``--blur`` adds Gaussian noise of that size to the training points first (smooth data).
+``--blur`` adds Gaussian noise of that size to the training points first (smooth data);
+``--model-data`` replaces them by as many exact draws from the model (no score error). For an
+SM or SSM run, N = 0's miss is split into SM's trace term through q (closed form) and the rest.
 
 ``train``: grbm_bissm's own estimator step (K = 5 real posterior steps, N unrolled, one model
 step) with ``--posterior exact`` putting q at the exact GRBM posterior in place of the K real steps: the objective is then exact SM and all that differs from exact-score SSM is the
@@ -32,7 +34,8 @@ from pathlib import Path
 import torch
 from bissm_expected_update import bissm_parts, flat, set_exact_posterior
 from eblvm_bism import modified_score
-from eblvm_score.objectives import SM
+from eblvm_grbm.model import all_binary
+from eblvm_score.objectives import SM, SSM
 
 from eblvm_core import api
 from eblvm_core.build import build
@@ -76,12 +79,46 @@ def gap(run_dir: Path) -> None:
         )
 
 
-def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float) -> None:
+def fisher_term_miss(model, posterior, x: torch.Tensor, theta: list[torch.Tensor]) -> torch.Tensor:
+    """The part of the N = 0 miss that SM's trace term makes without the data's score (flat, θ's order).
+
+    Integrating the trace term by parts, J_SM(θ, φ) = ½E‖ŝ − ∇log p_data‖² − E[ŝᵀ∇_v log r(h|v)] + const,
+    r the density h is drawn from. At φ* the modified score ŝ equals the marginal score for every h,
+    so ∂J/∂φ = (a term linear in the model's score error) + D, with, for linear Bernoulli logits
+    l = Av + c', D_A = diag(E_x[m′(l_j)]) A and D_c' = 0, m(l) = E[h_j] under the relaxed draw.
+    What N = 0 misses of the path through φ*(θ) is −(∂J/∂φ)·dφ*/dθ; this returns −D·dφ*/dθ, with
+    dφ*/dθ by autograd through U(θ) = Aᵀ*: in log σ it is +Σ_j E[m′_j]‖U_j‖² under the scaled
+    coupling and 0 under the plain one. DSM's objective has no trace term, so no D.
+    """
+    temperature = posterior.temperature
+    u = (torch.arange(1000, dtype=x.dtype) + 0.5) / 1000  # quadrature over the relaxed draw's uniform
+    with torch.no_grad():
+        logits = model.hidden_logits(x)  # (n, m), q at φ*
+        h = torch.sigmoid((logits.unsqueeze(-1) + torch.logit(u)) / temperature)  # (n, m, 1000)
+        slope = (h * (1 - h)).mean(-1).mean(0) / temperature  # E_x[m′(l_j)] (m,)
+    coupling = model.coupling_weight()  # U = A*ᵀ (d, m), a function of θ
+    return -flat(list(torch.autograd.grad((coupling.detach() * slope * coupling).sum(), theta, materialize_grads=True)))
+
+
+def model_samples(model, n: int, generator: torch.Generator) -> torch.Tensor:
+    """n exact draws (n, d) from the GRBM: h from its enumerated marginal, then v ~ N(b + σ²Uh, σ²I)."""
+    with torch.no_grad():
+        d, m = model.W.shape
+        states = all_binary(m, model.W)
+        uh = states @ model.coupling_weight().T  # (2^m, d)
+        log_weights = states @ model.c + uh @ model.b + 0.5 * model.sigma**2 * (uh**2).sum(-1)
+        h = states[torch.multinomial(torch.softmax(log_weights, 0), n, replacement=True, generator=generator)]
+        return model.visible_mean(h) + model.sigma * torch.randn((n, d), generator=generator)
+
+
+def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, model_data: bool) -> None:
     run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
     parts = run.parts
     set_exact_posterior(parts)
     estimator, model, x_all = parts.estimator, parts.model, parts.data.tensor("train")
     x_all = x_all + blur * torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
+    if model_data:
+        x_all = model_samples(model, len(x_all), torch.Generator().manual_seed(6))
     theta = [p for p in model.parameters() if p.requires_grad]
     print(f"{run_dir} step {run.step}: σ {float(model.sigma.detach()):.4f}, {type(estimator.objective).__name__}")
     for unroll_steps in (estimator.unroll_steps, 0):
@@ -100,6 +137,13 @@ def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float) -> N
             f"  N = {unroll_steps}: exact gradient norm {float(exact.norm()):.2f}, in log σ {float(exact[-1]):+.2f};  "
             f"mean hypergradient − exact: norm {float(bias.norm()):.2f}, in log σ {float(bias[-1]):+.2f}"
         )
+        if unroll_steps == 0 and isinstance(estimator.objective, (SM, SSM)):
+            fisher = fisher_term_miss(model, parts.posterior, x_all, theta)
+            rest = bias - fisher
+            print(
+                f"    of which SM's trace term without the data score (closed form): norm {float(fisher.norm()):.2f}, "
+                f"in log σ {float(fisher[-1]):+.2f};  the rest: norm {float(rest.norm()):.2f}, in log σ {float(rest[-1]):+.2f}"
+            )
 
 
 def train(coupling: str, unroll_steps: int, steps: int, posterior: str) -> None:
@@ -140,6 +184,9 @@ def main() -> None:
     at_checkpoint.add_argument("--checkpoint", type=Path, default=None, help="default: the run's last")
     at_checkpoint.add_argument("--batches", type=int, default=200)
     at_checkpoint.add_argument("--blur", type=float, default=0.0, help="noise added to the training points")
+    at_checkpoint.add_argument(
+        "--model-data", action="store_true", help="exact draws from the model in place of the training points"
+    )
     training = commands.add_parser("train")
     training.add_argument("--coupling", choices=["scaled", "plain"], default="scaled")
     training.add_argument("--unroll-steps", type=int, default=5)
@@ -150,7 +197,7 @@ def main() -> None:
     if args.command == "gap":
         gap(args.run)
     elif args.command == "path":
-        path(args.run, args.checkpoint, args.batches, args.blur)
+        path(args.run, args.checkpoint, args.batches, args.blur, args.model_data)
     else:
         train(args.coupling, args.unroll_steps, args.steps, args.posterior)
 
