@@ -1,7 +1,7 @@
 """Why the bundled BiSSM falls under the scaled coupling (docs/results.md): three measurements. Not a timing.
 
     python benchmarks/bissm_exact_posterior.py gap RUN_DIR
-    python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data]
+    python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data] [--exact-kl]
     python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact]
 
 ``gap``: for each checkpoint a grbm_bissm run kept (``[run] keep_every``), the exact SM objective
@@ -16,7 +16,8 @@ exact posterior, the mean over batches of the hypergradient minus the exact-scor
 same objective on the same points, for the run's N unrolled steps and for N = 0 (the partial
 derivative at φ*): what the hypergradient misses of the path through φ*(θ), in all and in log σ;
 ``--blur`` adds Gaussian noise of that size to the training points first (smooth data);
-``--model-data`` replaces them by as many exact draws from the model (no score error). For an
+``--model-data`` replaces them by as many exact draws from the model (no score error);
+``--exact-kl`` unrolls on the KL in closed form instead of the run's sampled one. For an
 SM or SSM run, N = 0's miss is split into SM's trace term through q (closed form) and the rest.
 
 ``train``: grbm_bissm's own estimator step (K = 5 real posterior steps, N unrolled, one model
@@ -111,7 +112,7 @@ def model_samples(model, n: int, generator: torch.Generator) -> torch.Tensor:
         return model.visible_mean(h) + model.sigma * torch.randn((n, d), generator=generator)
 
 
-def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, model_data: bool) -> None:
+def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, model_data: bool, exact_kl: bool) -> None:
     run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
     parts = run.parts
     set_exact_posterior(parts)
@@ -119,6 +120,8 @@ def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, mode
     x_all = x_all + blur * torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
     if model_data:
         x_all = model_samples(model, len(x_all), torch.Generator().manual_seed(6))
+    if exact_kl:
+        estimator.divergence.exact = True  # the unrolled steps on the closed-form KL, as [divergence] exact = true
     theta = [p for p in model.parameters() if p.requires_grad]
     print(f"{run_dir} step {run.step}: σ {float(model.sigma.detach()):.4f}, {type(estimator.objective).__name__}")
     for unroll_steps in (estimator.unroll_steps, 0):
@@ -187,6 +190,9 @@ def main() -> None:
     at_checkpoint.add_argument(
         "--model-data", action="store_true", help="exact draws from the model in place of the training points"
     )
+    at_checkpoint.add_argument(
+        "--exact-kl", action="store_true", help="unroll on the KL in closed form, not on its one-sample estimate"
+    )
     training = commands.add_parser("train")
     training.add_argument("--coupling", choices=["scaled", "plain"], default="scaled")
     training.add_argument("--unroll-steps", type=int, default=5)
@@ -197,7 +203,7 @@ def main() -> None:
     if args.command == "gap":
         gap(args.run)
     elif args.command == "path":
-        path(args.run, args.checkpoint, args.batches, args.blur, args.model_data)
+        path(args.run, args.checkpoint, args.batches, args.blur, args.model_data, args.exact_kl)
     else:
         train(args.coupling, args.unroll_steps, args.steps, args.posterior)
 
