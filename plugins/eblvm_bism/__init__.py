@@ -329,7 +329,11 @@ class BiSMImplicit(BiSM):
 class UnrolledConfig:
     inner_steps: int = option(5, "K: real posterior updates on the lower level per batch (model frozen)", positive)
     unroll_steps: int = option(
-        5, "N: differentiable lower-level updates from φ_K; 0 = partial derivative at φ_K", non_negative
+        5,
+        "N: differentiable lower-level updates from φ_K; 0 = partial derivative at φ_K, which misses the path through "
+        "φ*(θ): under SM/SSM a term of the objective's own (its trace term pulls on q), under DSM/MDSM only what the "
+        "model's score error makes (docs/results.md)",
+        non_negative,
     )
     unroll: Literal["sgd", "adam", "natural"] = option(
         "sgd",
