@@ -80,7 +80,7 @@ def gap(run_dir: Path) -> None:
         )
 
 
-def fisher_term_miss(model, posterior, x: torch.Tensor, theta: list[torch.Tensor]) -> torch.Tensor:
+def trace_term_miss(model, posterior, x: torch.Tensor, theta: list[torch.Tensor]) -> torch.Tensor:
     """The part of the N = 0 miss that SM's trace term makes without the data's score (flat, θ's order).
 
     Integrating the trace term by parts, J_SM(θ, φ) = ½E‖ŝ − ∇log p_data‖² − E[ŝᵀ∇_v log r(h|v)] + const,
@@ -141,11 +141,11 @@ def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, mode
             f"mean hypergradient − exact: norm {float(bias.norm()):.2f}, in log σ {float(bias[-1]):+.2f}"
         )
         if unroll_steps == 0 and isinstance(estimator.objective, (SM, SSM)):
-            fisher = fisher_term_miss(model, parts.posterior, x_all, theta)
-            rest = bias - fisher
+            trace_term = trace_term_miss(model, parts.posterior, x_all, theta)
+            rest = bias - trace_term
             print(
-                f"    of which SM's trace term without the data score (closed form): norm {float(fisher.norm()):.2f}, "
-                f"in log σ {float(fisher[-1]):+.2f};  the rest: norm {float(rest.norm()):.2f}, in log σ {float(rest[-1]):+.2f}"
+                f"    of which SM's trace term without the data score (closed form): norm {float(trace_term.norm()):.2f}, "
+                f"in log σ {float(trace_term[-1]):+.2f};  the rest: norm {float(rest.norm()):.2f}, in log σ {float(rest[-1]):+.2f}"
             )
 
 
