@@ -1,7 +1,8 @@
-"""Why the bundled BiSSM falls under the scaled coupling (docs/results.md): three measurements. Not a timing.
+"""Why the bundled BiSSM falls under the scaled coupling (docs/results.md): four measurements. Not a timing.
 
     python benchmarks/bissm_exact_posterior.py gap RUN_DIR
     python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data] [--exact-kl]
+    python benchmarks/bissm_exact_posterior.py split RUN_DIR [--checkpoint FILE] [--blur 0.05] [--points 600000] [--seed 1]
     python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact]
 
 ``gap``: for each checkpoint a grbm_bissm run kept (``[run] keep_every``), the exact SM objective
@@ -20,6 +21,11 @@ derivative at φ*): what the hypergradient misses of the path through φ*(θ), i
 ``--exact-kl`` unrolls on the KL in closed form instead of the run's sampled one. For an
 SM or SSM run, N = 0's miss is split into SM's trace term through q (closed form) and the rest.
 
+``split``: at a BiSSM checkpoint, q at the exact posterior, BiSSM's ∂J/∂φ by autograd (exact-trace SM,
+fresh points of the checkerboard blurred by ``--blur``, whose score is known in closed form) against
+D + R: D the trace term through q (closed form) and R = E[(∇log p_θ − ∇log p_data)ᵀ E_h ∂_φŝ], the
+score-error term. Integration by parts makes them equal in expectation.
+
 ``train``: grbm_bissm's own estimator step (K = 5 real posterior steps, N unrolled, one model
 step) with ``--posterior exact`` putting q at the exact GRBM posterior in place of the K real steps: the objective is then exact SM and all that differs from exact-score SSM is the
 hypergradient's truncated path through φ*(θ). Prints the exact test log-likelihood (50,000
@@ -37,6 +43,7 @@ from bissm_expected_update import bissm_parts, flat, set_exact_posterior
 from eblvm_bism import modified_score
 from eblvm_grbm.model import all_binary
 from eblvm_score.objectives import SM, SSM
+from eblvm_toy import checkerboard_sample
 
 from eblvm_core import api
 from eblvm_core.build import build
@@ -91,14 +98,70 @@ def trace_term_miss(model, posterior, x: torch.Tensor, theta: list[torch.Tensor]
     dφ*/dθ by autograd through U(θ) = Aᵀ*: in log σ it is +Σ_j E[m′_j]‖U_j‖² under the scaled
     coupling and 0 under the plain one. DSM's objective has no trace term, so no D.
     """
-    temperature = posterior.temperature
-    u = (torch.arange(1000, dtype=x.dtype) + 0.5) / 1000  # quadrature over the relaxed draw's uniform
-    with torch.no_grad():
-        logits = model.hidden_logits(x)  # (n, m), q at φ*
-        h = torch.sigmoid((logits.unsqueeze(-1) + torch.logit(u)) / temperature)  # (n, m, 1000)
-        slope = (h * (1 - h)).mean(-1).mean(0) / temperature  # E_x[m′(l_j)] (m,)
+    slope = relaxed_slope(posterior, x)
     coupling = model.coupling_weight()  # U = A*ᵀ (d, m), a function of θ
     return -flat(list(torch.autograd.grad((coupling.detach() * slope * coupling).sum(), theta, materialize_grads=True)))
+
+
+def relaxed_slope(posterior, x: torch.Tensor) -> torch.Tensor:
+    """E_x[m′(l_j(x))] (m,): m(l) = E[h_j] under the binary-concrete draw, by quadrature over its uniform."""
+    u = (torch.arange(1000, dtype=x.dtype) + 0.5) / 1000
+    total = 0.0
+    with torch.no_grad():
+        for chunk in posterior.logits(x).split(10000):  # (≤ 10,000, m)
+            h = torch.sigmoid((chunk.unsqueeze(-1) + torch.logit(u)) / posterior.temperature)
+            total = total + (h * (1 - h)).mean(-1).sum(0)
+    return total / len(x) / posterior.temperature
+
+
+def blurred_checkerboard_log_density(x: torch.Tensor, n_cols: int, blur: float) -> torch.Tensor:
+    """log of the checkerboard's density convolved with N(0, blur² I): x (n, 2) -> (n,)."""
+    normal = torch.distributions.Normal(0.0, blur)
+    width = 1 / n_cols
+    density = 0.0
+    for i in range(n_cols):
+        for j in range(n_cols):
+            if (i + j) % 2 == 0:
+                corner = torch.tensor([i, j], dtype=x.dtype) * width
+                density = density + torch.prod(normal.cdf(x - corner) - normal.cdf(x - corner - width), -1)
+    return torch.log(density / (width**2 * ((n_cols**2 + 1) // 2)))
+
+
+def split(run_dir: Path, checkpoint: Path | None, blur: float, points: int, seed: int) -> None:
+    """∂J/∂φ at φ* by autograd against D + R, on fresh points of the blurred checkerboard (known score)."""
+    run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
+    parts = run.parts
+    set_exact_posterior(parts)
+    model, posterior = parts.model.double(), parts.posterior.double()
+    n_cols = run.recipe.parts["data"].config.n_cols
+    x = checkerboard_sample(points, n_cols, torch.Generator().manual_seed(seed)).double()
+    x = x + blur * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=x.dtype)
+    phi = [posterior.net[0].weight, posterior.net[0].bias]  # A (m, d), c' (m,)
+    draws = 4
+    torch.manual_seed(0)
+    autograd = sum(
+        flat(list(torch.autograd.grad(SM().loss(modified_score(model, posterior), x, None).mean(), phi)))
+        for _ in range(draws)
+    )
+    trace_term = flat([relaxed_slope(posterior, x)[:, None] * phi[0].detach(), torch.zeros_like(phi[1])])
+    leaf = x.clone().requires_grad_(True)
+    data_score = torch.autograd.grad(blurred_checkerboard_log_density(leaf, n_cols, blur).sum(), leaf)[0]
+    score_error = exact_score(model, x).detach() - data_score  # (n, d)
+    residual = 0.0
+    for _ in range(draws):  # ∂_φ ŝ weighted by the score error (the path through the reparameterised h is 0 at φ*)
+        modified = modified_score(model, posterior)(x)
+        residual = residual + flat(list(torch.autograd.grad((score_error * modified).sum() / len(x), phi)))
+    autograd, residual = autograd / draws, residual / draws
+    print(f"{run_dir} step {run.step}: {points} points of the checkerboard blurred by {blur}, q at the exact posterior")
+    for name, vector in (
+        ("∂J/∂φ by autograd", autograd),
+        ("D (trace term through q)", trace_term),
+        ("R (score error)", residual),
+        ("D + R", trace_term + residual),
+    ):
+        print(f"  {name:26s} norm {float(vector.norm()):8.4f}")
+    for name, vector in (("D + R", trace_term + residual), ("D alone", trace_term)):
+        print(f"  autograd − ({name}): {float((autograd - vector).norm() / autograd.norm()):.3f} of autograd's norm")
 
 
 def model_samples(model, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -193,6 +256,12 @@ def main() -> None:
     at_checkpoint.add_argument(
         "--exact-kl", action="store_true", help="unroll on the KL in closed form, not on its one-sample estimate"
     )
+    splitting = commands.add_parser("split")
+    splitting.add_argument("run", type=Path)
+    splitting.add_argument("--checkpoint", type=Path, default=None, help="default: the run's last")
+    splitting.add_argument("--blur", type=float, default=0.05, help="the data's Gaussian blur (its score is known)")
+    splitting.add_argument("--points", type=int, default=600000)
+    splitting.add_argument("--seed", type=int, default=1)
     training = commands.add_parser("train")
     training.add_argument("--coupling", choices=["scaled", "plain"], default="scaled")
     training.add_argument("--unroll-steps", type=int, default=5)
@@ -202,6 +271,8 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.command == "gap":
         gap(args.run)
+    elif args.command == "split":
+        split(args.run, args.checkpoint, args.blur, args.points, args.seed)
     elif args.command == "path":
         path(args.run, args.checkpoint, args.batches, args.blur, args.model_data, args.exact_kl)
     else:
