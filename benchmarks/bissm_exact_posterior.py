@@ -3,7 +3,7 @@
     python benchmarks/bissm_exact_posterior.py gap RUN_DIR
     python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data] [--exact-kl]
     python benchmarks/bissm_exact_posterior.py split RUN_DIR [--checkpoint FILE] [--blur 0.05] [--points 600000] [--seed 1]
-    python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact]
+    python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact] [--add-trace-term]
 
 ``gap``: for each checkpoint a grbm_bissm run kept (``[run] keep_every``), the exact SM objective
 J(θ) = mean[½‖∇log p‖² + tr ∇²log p] on the training set beside BiSSM's objective J(θ, φ) with the
@@ -28,8 +28,9 @@ score-error term. Integration by parts makes them equal in expectation.
 
 ``train``: grbm_bissm's own estimator step (K = 5 real posterior steps, N unrolled, one model
 step) with ``--posterior exact`` putting q at the exact GRBM posterior in place of the K real steps: the objective is then exact SM and all that differs from exact-score SSM is the
-hypergradient's truncated path through φ*(θ). Prints the exact test log-likelihood (50,000
-points), the exact SM objective and σ every 2,500 steps.
+hypergradient's truncated path through φ*(θ). ``--add-trace-term`` (with ``--unroll-steps 0``)
+adds to the partial derivative the trace term's part of that path in closed form. Prints the exact
+test log-likelihood (50,000 points), the exact SM objective and σ every 2,500 steps.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, mode
             )
 
 
-def train(coupling: str, unroll_steps: int, steps: int, posterior: str) -> None:
+def train(coupling: str, unroll_steps: int, steps: int, posterior: str, add_trace_term: bool) -> None:
     recipe = load_recipe(
         RECIPE, [f'model.coupling="{coupling}"', "data.n_test=50000", f"estimator.unroll_steps={unroll_steps}"]
     )
@@ -229,13 +230,23 @@ def train(coupling: str, unroll_steps: int, steps: int, posterior: str) -> None:
             return {}
 
         estimator.fit_posterior = exact_fit
+    if add_trace_term:  # N = 0 at φ*: hand the partial derivative the trace term's part of the path (closed form)
+        partial = estimator.hypergradient
+        sizes = [p.numel() for p in estimator.theta]
+
+        def with_trace_term(x, context, energy=None):
+            grads, metrics = partial(x, context, energy)
+            miss = trace_term_miss(model, parts.posterior, x.detach(), estimator.theta).split(sizes)
+            return [g - m.view_as(g) for g, m in zip(grads, miss)], metrics
+
+        estimator.hypergradient = with_trace_term
     for step in range(1, steps + 1):
         estimator.step(x_train[torch.randint(len(x_train), (100,), generator=generator)])
         if step % 2500 == 0:
             with torch.no_grad():
                 loglik = float(model.log_likelihood(x_test).mean())
             print(
-                f"{coupling}, q {posterior}, N = {unroll_steps}, step {step:6d}: test log-likelihood {loglik:+.4f}  "
+                f"{coupling}, q {posterior}, N = {unroll_steps}{' + trace term' if add_trace_term else ''}, step {step:6d}: test log-likelihood {loglik:+.4f}  "
                 f"exact J(θ) {exact_objective(model, x_train[:20000]):7.2f}  σ {float(model.sigma.detach()):.4f}",
                 flush=True,
             )
@@ -267,6 +278,9 @@ def main() -> None:
     training.add_argument("--unroll-steps", type=int, default=5)
     training.add_argument("--steps", type=int, default=30000)
     training.add_argument("--posterior", choices=["exact", "trained"], default="exact")
+    training.add_argument(
+        "--add-trace-term", action="store_true", help="with --posterior exact and N = 0: add the trace term's path"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.command == "gap":
@@ -276,7 +290,9 @@ def main() -> None:
     elif args.command == "path":
         path(args.run, args.checkpoint, args.batches, args.blur, args.model_data, args.exact_kl)
     else:
-        train(args.coupling, args.unroll_steps, args.steps, args.posterior)
+        if args.add_trace_term and (args.posterior != "exact" or args.unroll_steps != 0):
+            parser.error("--add-trace-term is the closed form at φ* for N = 0: use --posterior exact --unroll-steps 0")
+        train(args.coupling, args.unroll_steps, args.steps, args.posterior, args.add_trace_term)
 
 
 if __name__ == "__main__":
