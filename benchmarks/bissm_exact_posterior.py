@@ -128,12 +128,17 @@ def blurred_checkerboard_log_density(x: torch.Tensor, n_cols: int, blur: float) 
     return torch.log(density / (width**2 * ((n_cols**2 + 1) // 2)))
 
 
+def load_at_exact_posterior(run_dir: Path, checkpoint: Path | None):
+    """The run at its checkpoint (default: the last) on the CPU, with q put at the exact GRBM posterior."""
+    run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
+    set_exact_posterior(run.parts)
+    return run
+
+
 def split(run_dir: Path, checkpoint: Path | None, blur: float, points: int, seed: int) -> None:
     """∂J/∂φ at φ* by autograd against D + R, on fresh points of the blurred checkerboard (known score)."""
-    run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
-    parts = run.parts
-    set_exact_posterior(parts)
-    model, posterior = parts.model.double(), parts.posterior.double()
+    run = load_at_exact_posterior(run_dir, checkpoint)
+    model, posterior = run.parts.model.double(), run.parts.posterior.double()
     n_cols = run.recipe.parts["data"].config.n_cols
     x = checkerboard_sample(points, n_cols, torch.Generator().manual_seed(seed)).double()
     x = x + blur * torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=x.dtype)
@@ -177,13 +182,13 @@ def model_samples(model, n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def path(run_dir: Path, checkpoint: Path | None, batches: int, blur: float, model_data: bool, exact_kl: bool) -> None:
-    run = api.load(run_dir, str(checkpoint) if checkpoint else "last", device="cpu")
+    run = load_at_exact_posterior(run_dir, checkpoint)
     parts = run.parts
-    set_exact_posterior(parts)
     estimator, model, x_all = parts.estimator, parts.model, parts.data.tensor("train")
-    x_all = x_all + blur * torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
     if model_data:
         x_all = model_samples(model, len(x_all), torch.Generator().manual_seed(6))
+    else:
+        x_all = x_all + blur * torch.randn(x_all.shape, generator=torch.Generator().manual_seed(5))
     if exact_kl:
         estimator.divergence.exact = True  # the unrolled steps on the closed-form KL, as [divergence] exact = true
     theta = [p for p in model.parameters() if p.requires_grad]
@@ -260,8 +265,9 @@ def main() -> None:
     at_checkpoint.add_argument("run", type=Path)
     at_checkpoint.add_argument("--checkpoint", type=Path, default=None, help="default: the run's last")
     at_checkpoint.add_argument("--batches", type=int, default=200)
-    at_checkpoint.add_argument("--blur", type=float, default=0.0, help="noise added to the training points")
-    at_checkpoint.add_argument(
+    points = at_checkpoint.add_mutually_exclusive_group()
+    points.add_argument("--blur", type=float, default=0.0, help="noise added to the training points")
+    points.add_argument(
         "--model-data", action="store_true", help="exact draws from the model in place of the training points"
     )
     at_checkpoint.add_argument(
