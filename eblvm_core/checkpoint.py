@@ -206,10 +206,14 @@ def kept_steps(run_dir: str | Path) -> list[int]:
 
 
 def check_checkpoint_recipe(state: dict[str, Any], recipe: Recipe, path: str | Path) -> None:
-    """Refuse a checkpoint written by another recipe (one that trains something else), naming the first difference."""
+    """Refuse a checkpoint written by another recipe (one that trains something else), naming the
+    first difference. An option absent from the checkpoint's recipe and at its default here is no
+    difference: the checkpoint was written before the option existed."""
     if "recipe" not in state:  # format 2
         return
     for key, theirs, ours in differences(state["recipe"], training_part(recipe.to_dict())):
+        if theirs is None and ours == recipe.default_of(key):
+            continue
         raise CheckpointError(
             str(path),
             f"written by another recipe: {key} is {theirs!r} there and {ours!r} in {recipe.path}",

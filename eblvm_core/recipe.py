@@ -139,6 +139,28 @@ class Recipe:
     evals: list[Section]
     logs: list[Section]
 
+    def default_of(self, path: str) -> Any:
+        """The default of the option at a dotted path of ``to_dict()`` ("generator.base",
+        "optim.energy.lr", "optim.energy.schedule.gamma", "run.seed"), or attrs.NOTHING where the
+        path names no option with a default."""
+        section, _, key = path.rpartition(".")
+        head, _, rest = section.partition(".")
+        if section == "run":
+            config = self.run
+        elif section in self.parts:
+            config = self.parts[section].config
+        elif head == "optim" and rest in self.optim:
+            config = self.optim[rest].optimizer.config
+        elif head == "optim" and rest.endswith(".schedule") and rest.removesuffix(".schedule") in self.optim:
+            config = self.optim[rest.removesuffix(".schedule")].schedule.config
+        else:
+            return attrs.NOTHING
+        field = attrs.fields_dict(type(config)).get(key) if attrs.has(type(config)) else None
+        if field is None:
+            return attrs.NOTHING
+        default = field.default
+        return default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[union-attr]
+
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as TOML-ready data."""
         conv = cattrs.Converter()

@@ -123,6 +123,26 @@ def test_a_checkpoint_from_another_recipe_is_refused(cli, run_copy, tmp_path, wr
     assert snapshot(run_copy) == before
 
 
+def test_a_checkpoint_from_before_an_option_existed_loads_while_the_option_keeps_its_default(cli, run_copy):
+    """A checkpoint whose recipe lacks an option (written before the option was added) resumes,
+    evaluates and samples while the option is at its default here (Adam's beta1, 0.9); one that
+    lacks an option this recipe sets otherwise (lr 1e-2, default 1e-3) is still refused."""
+    path = ckpt.last_checkpoint(run_copy)
+    state = ckpt.read_checkpoint(path)
+    del state["recipe"]["optim"]["model"]["beta1"]
+    ckpt.save_atomic(ckpt.seal(state), path)
+    for command in (["eval", run_copy], ["sample", run_copy, "--out", run_copy / "s.png"]):
+        result = cli(command)
+        assert result.exit_code == 0, result.output
+    result = cli(["run", "--resume", run_copy, "-o", "run.steps=40"])
+    assert result.exit_code == 0 and f"resuming {run_copy} at step 30" in result.output, result.output
+    state = ckpt.read_checkpoint(path)
+    del state["recipe"]["optim"]["model"]["lr"]
+    ckpt.save_atomic(ckpt.seal(state), path)
+    line = one_line(cli(["eval", run_copy]))
+    assert f"{path}: written by another recipe: optim.model.lr is None there and 0.01" in line, line
+
+
 def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_recipe, tmp_path):
     """Killed (kill -9) with metrics logged after its last checkpoint, then resumed: every training
     step is logged once, and the final parameters equal an uninterrupted run's."""
