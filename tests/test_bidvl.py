@@ -36,7 +36,12 @@ class MLPEnergy(EnergyModel):
 
 
 def tiny_parts(
-    upper: str = "offset", activation: str = "softplus", ratio_bias: str = "none", mlp: bool = False, **estimator
+    upper: str = "offset",
+    activation: str = "softplus",
+    ratio_bias: str = "none",
+    mlp: bool = False,
+    posterior_statistics: bool = True,
+    **estimator,
 ) -> Parts:
     """BiDVL on digits (8×8, [−1, 1]) with tiny nets in float64 and SGD at lr 0 (gradients stay in .grad)."""
     torch.manual_seed(0)
@@ -52,7 +57,9 @@ def tiny_parts(
         MLPEnergy(64) if mlp else make("models", "bidvl-energy", parts, base=4, activation=activation)
     ).double()
     parts.posterior = make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3).double()
-    parts.generator = make("generators", "bidvl-generator", parts, base=4, latent_dim=3).double()
+    parts.generator = make(
+        "generators", "bidvl-generator", parts, base=4, latent_dim=3, posterior_statistics=posterior_statistics
+    ).double()
     parts.estimator = make("estimators", "bidvl", parts, upper=upper, ratio_bias=ratio_bias, **estimator)
     return parts
 
@@ -346,15 +353,35 @@ def test_shared_prior_gives_both_levels_one_z(shared, monkeypatch):
     assert (len({id(d) for d in draws}) == 1) == shared
 
 
-def test_a_step_runs_the_generator_three_times_and_its_batch_norm_statistics_move_three_times():
+def norms(net: torch.nn.Module) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+    return [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+
+
+def one_set_copy(parts: Parts, statistics: str) -> torch.nn.Module:
+    """A generator with one set of running statistics, the weights of ``parts.generator`` and its
+    ``statistics`` set ("prior": the plain buffers, "posterior": the posterior_* ones)."""
+    copy_ = make("generators", "bidvl-generator", parts, base=4, latent_dim=3, posterior_statistics=False).double()
+    state = parts.generator.state_dict()
+
+    def source(key: str) -> str:
+        module, _, name = key.rpartition(".")
+        kept = statistics == "posterior" and name in ("running_mean", "running_var", "num_batches_tracked")
+        return f"{module}.posterior_{name}" if kept else key
+
+    copy_.load_state_dict({k: state[source(k)] for k in copy_.state_dict()})
+    return copy_
+
+
+@pytest.mark.parametrize("posterior_statistics", [True, False])
+def test_a_step_runs_the_generator_three_times_and_moves_each_set_of_statistics_by_its_passes(posterior_statistics):
     """As in the released code: once for the upper level's samples, and in the lower level once on
     q's draws (the reconstruction) and once on z ~ p(h), whose output both the energy term and the
     latent reconstruction use. Batch norm's running statistics take one update per pass, so a
-    fourth pass on the same z would move them further (the lower level's code before this test)."""
-    parts = tiny_parts(order="upper-first", shared_prior=True)
+    fourth pass on the same z would move them further (the lower level's code before this test).
+    With ``posterior_statistics`` the pass on q's draws moves the second set instead."""
+    parts = tiny_parts(order="upper-first", shared_prior=True, posterior_statistics=posterior_statistics)
     est = parts.estimator
-    norms = [m for m in est.generator.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    assert norms, "the DCGAN generator has batch norm"
+    assert norms(est.generator), "the DCGAN generator has batch norm"
     calls = []
     hook = est.generator.register_forward_hook(lambda module, args, out: calls.append(args[0].shape))
     try:
@@ -362,7 +389,81 @@ def test_a_step_runs_the_generator_three_times_and_its_batch_norm_statistics_mov
     finally:
         hook.remove()
     assert len(calls) == 3, calls
-    assert all(int(m.num_batches_tracked) == 3 for m in norms)
+    for m in norms(est.generator):
+        if posterior_statistics:
+            assert (int(m.num_batches_tracked), int(m.posterior_num_batches_tracked)) == (2, 1)
+        else:
+            assert int(m.num_batches_tracked) == 3 and not hasattr(m, "posterior_num_batches_tracked")
+
+
+def test_each_set_of_statistics_is_the_moving_average_of_its_own_passes():
+    """The generator's two sets (lr 0, so the weights stay): the plain one equals a one-set copy
+    fed only the prior draws z of three updates, in order, and the posterior one equals a copy fed
+    only the codes h ~ q(h|v), so sampling (z) and reconstruction (posterior means) each read
+    statistics of inputs like their own."""
+    parts = tiny_parts(order="upper-first", shared_prior=True)
+    prior_copy, posterior_copy = one_set_copy(parts, "prior"), one_set_copy(parts, "posterior")
+    first = norms(parts.generator)[0]
+    posterior_tensor = first.posterior_running_mean
+    fed = []
+    hook = parts.generator.register_forward_pre_hook(
+        lambda module, args: fed.append((first.running_mean is posterior_tensor, args[0].detach().clone()))
+    )
+    try:
+        for seed in range(3):
+            torch.manual_seed(seed)
+            parts.estimator.step(batch(parts))
+    finally:
+        hook.remove()
+    assert [posterior for posterior, _ in fed] == [False, True, False] * 3
+    with torch.no_grad():
+        for posterior, h in fed:
+            (posterior_copy if posterior else prior_copy)(h)
+    for mine, prior, posterior in zip(norms(parts.generator), norms(prior_copy), norms(posterior_copy)):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(mine, name), getattr(prior, name), rtol=1e-12, atol=0)
+            torch.testing.assert_close(getattr(mine, "posterior_" + name), getattr(posterior, name), rtol=1e-12, atol=0)
+        assert not torch.allclose(mine.running_var, mine.posterior_running_var)
+
+
+def test_reconstruction_reads_the_posterior_codes_statistics_and_sampling_the_prior_draws():
+    """After three updates (lr 0) the two sets differ; the evaluator's running-statistics RMSE is
+    that of a one-set generator holding the posterior set, and the sampler's G(z) that of one
+    holding the plain set."""
+    parts = tiny_parts(order="upper-first", shared_prior=True)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        parts.estimator.step(batch(parts))
+    v = parts.data.tensor("test", 40).double()
+    parts.posterior.eval()
+    rmse = {}
+    for statistics in ("prior", "posterior"):
+        generator = one_set_copy(parts, statistics).eval()
+        with torch.no_grad():
+            rmse[statistics] = float(((generator(parts.posterior.mean(v)) - v) ** 2).mean().sqrt())
+    result = make("evaluators", "reconstruction", parts, n=40, batch_size=15)(parts)
+    assert result.scalars["test_rmse"] == pytest.approx(rmse["posterior"], rel=1e-9)
+    assert abs(rmse["posterior"] - rmse["prior"]) > 1e-4  # 2.5e-4 here, far above the 1e-9 agreement
+    samples = make("samplers", "generator", parts).sample(parts.model, 12, torch.Generator().manual_seed(3))
+    z = torch.randn(12, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    with torch.no_grad():
+        torch.testing.assert_close(samples, one_set_copy(parts, "prior").eval()(z))
+
+
+def test_a_one_set_state_dict_loads_into_both_sets():
+    """A checkpoint from before the second set (or with posterior_statistics = false) loads
+    strictly, each set taking its one set's values, so old runs read as they did."""
+    parts = tiny_parts(order="upper-first", shared_prior=True, posterior_statistics=False)
+    torch.manual_seed(0)
+    parts.estimator.step(batch(parts))
+    one_set = parts.generator.state_dict()
+    two_sets = make("generators", "bidvl-generator", parts, base=4, latent_dim=3).double()
+    two_sets.load_state_dict(one_set)
+    for m, source in zip(norms(two_sets), norms(parts.generator)):
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(m, name), getattr(source, name))
+            assert torch.equal(getattr(m, "posterior_" + name), getattr(source, name))
+    assert int(norms(two_sets)[0].num_batches_tracked) == 3
 
 
 def released_update(energy, encoder, generator, optimizers, v: torch.Tensor) -> None:
@@ -399,13 +500,15 @@ def released_update(energy, encoder, generator, optimizers, v: torch.Tensor) -> 
         optimizers[role].step()
 
 
-def test_two_updates_equal_the_released_codes_on_the_same_weights_and_draws():
+@pytest.mark.parametrize("posterior_statistics", [False, True])
+def test_two_updates_equal_the_released_codes_on_the_same_weights_and_draws(posterior_statistics):
     """The bundled conv recipes' settings (upper step first, one shared z, a free log σ² head,
     Adam (0, 0.9), rates 1e-4 and 3e-4, weight decay 1e-4 on encoder and generator) give, after two
     updates, the parameters and batch-norm statistics of the released procedure (float64; the
     energy in eval mode, so spectral norm's power iteration, which the released code runs once
-    more per update on an unused value, is left out of the comparison)."""
-    parts = tiny_parts(order="upper-first", shared_prior=True)
+    more per update on an unused value, is left out of the comparison). With the generator's
+    second set of statistics every parameter is still the released one: training is the same."""
+    parts = tiny_parts(order="upper-first", shared_prior=True, posterior_statistics=posterior_statistics)
     est = parts.estimator
     nets = {"energy": parts.model, "encoder": parts.posterior, "generator": parts.generator}
     nets["energy"].eval()
@@ -429,5 +532,8 @@ def test_two_updates_equal_the_released_codes_on_the_same_weights_and_draws():
         torch.manual_seed(seed)
         released_update(copies["energy"], copies["encoder"], copies["generator"], reference, v)
     for role, net in nets.items():
-        for (name, mine), theirs in zip(net.state_dict().items(), copies[role].state_dict().values()):
-            torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-12, msg=f"{role}.{name}")
+        theirs = copies[role].state_dict()
+        mine = net.state_dict() if role != "generator" or not posterior_statistics else dict(net.named_parameters())
+        assert set(mine) <= set(theirs)
+        for name, value in mine.items():
+            torch.testing.assert_close(value, theirs[name], rtol=1e-9, atol=1e-12, msg=f"{role}.{name}")

@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from eblvm_bidvl.nets import posterior_codes
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior
 from eblvm_core.errors import ConfigError
@@ -109,7 +110,8 @@ class BiDVL(Estimator):
         """Per data point r(v)·[‖G(h) − v‖² + KL(q(h|v) ‖ p(h))] with h ~ q(h|v) (B,), and the squared error (B,)."""
         mu, log_std = self.encoder.params(v)
         h = mu + log_std.exp() * torch.randn_like(mu)
-        error = squared_error(self.generator(h), v)
+        with posterior_codes(self.generator):  # batch norm's statistics of this path, if it keeps them apart
+            error = squared_error(self.generator(h), v)
         return self.weights(v) * (error + gaussian_kl(mu, log_std)), error
 
     def latent_reconstruction(self, generated: Tensor, z: Tensor, through_encoder: bool) -> Tensor:

@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from eblvm_bidvl.nets import posterior_codes
 from eblvm_core.config import option, positive, structure
 from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, evaluation_mode, reporting
 from eblvm_core.errors import ConfigError
@@ -49,7 +50,8 @@ class ReconstructionConfig:
 def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
     """Root-mean-square error of G(E_q[h|v]) against v per pixel, in the data's units, and an image of reconstructions.
 
-    Read twice: {split}_rmse with batch norm's running statistics (eval mode, the model as deployed),
+    Read twice: {split}_rmse with batch norm's running statistics (eval mode, the model as deployed;
+    the generator's of posterior codes where it keeps them apart from the prior draws'),
     {split}_rmse_batch_stats with each pass normalised by its own statistics (train mode, as the
     released BiDVL code's mse_score reads it, with its passes of 100); the running statistics are
     left as they were. Without batch norm the two are equal.
@@ -75,7 +77,8 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
                     v = parts.data.take(cfg.split, torch.arange(start, min(start + cfg.batch_size, n))).to(
                         parts.device, parts.dtype
                     )
-                    recon = parts.generator(parts.posterior.mean(v))
+                    with posterior_codes(parts.generator):
+                        recon = parts.generator(parts.posterior.mean(v))
                     totals[batch_stats] += float((recon - v).square().sum())
                     if shown is None and cfg.images:
                         shown = (v[: cfg.images], recon[: cfg.images])

@@ -3,7 +3,9 @@ E_ψ(v) and a DCGAN-style generator G(h), and their SNGAN-style residual variant
 
 from __future__ import annotations
 
-from typing import Literal
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -157,6 +159,50 @@ def build_energy(cfg: EnergyConfig, parts: Parts) -> EnergyModel:
     return normal_init_(net, cfg.init_std)
 
 
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def batch_norms(net: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def keep_posterior_statistics(net: nn.Module) -> nn.Module:
+    """Give every batch norm of ``net`` a second set of running statistics (buffers
+    ``posterior_running_mean`` etc.), read and moved inside ``posterior_codes``. A state dict
+    without them (a checkpoint from before) loads with both sets equal to its one set."""
+    for m in batch_norms(net):
+        for name in STATISTICS:
+            m.register_buffer(f"posterior_{name}", getattr(m, name).clone())
+        m.register_load_state_dict_pre_hook(_one_set_serves_both)
+    return net
+
+
+def _one_set_serves_both(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    for name in STATISTICS:
+        if prefix + name in state_dict and f"posterior_{name}" in module._buffers:
+            state_dict.setdefault(f"{prefix}posterior_{name}", state_dict[prefix + name])
+
+
+def _swap_statistics(norms: list[nn.modules.batchnorm._BatchNorm]) -> None:
+    for m in norms:
+        for name in STATISTICS:
+            m._buffers[name], m._buffers[f"posterior_{name}"] = m._buffers[f"posterior_{name}"], m._buffers[name]
+
+
+@contextlib.contextmanager
+def posterior_codes(generator: nn.Module) -> Iterator[None]:
+    """Within the block the generator's batch norm reads (eval mode) and moves (train mode) its
+    statistics of codes h ~ q(h|v), not those of prior draws z ~ p(h); a no-op for a generator
+    without a second set (``posterior_statistics = false``). The swap exchanges tensors, not
+    values, so a CUDA graph captured through it replays onto the right buffers."""
+    norms = [m for m in batch_norms(generator) if "posterior_running_mean" in m._buffers]
+    _swap_statistics(norms)
+    try:
+        yield
+    finally:
+        _swap_statistics(norms)
+
+
 class DCGANGenerator(nn.Module):
     """G(h): h (B, m) -> v (B, C, S, S): a 4×4 transposed conv from h, 4×4 stride-2 transposed convs
     halving the channels up to S, batch norm and ReLU between, a 3×3 one to C channels, then tanh,
@@ -226,6 +272,12 @@ class GeneratorConfig:
     init_std: float | None = option(
         None, "conv weights drawn from N(0, init_std²) (the released code: 0.02); None: torch's default", positive
     )
+    posterior_statistics: bool = option(
+        True,
+        "batch norm keeps a second set of running statistics for codes h ~ q(h|v) (the reconstruction "
+        "path), apart from those of prior draws z ~ p(h) (the sampling path); false: one set for both, "
+        "as the released code (training is the same either way)",
+    )
 
 
 def build_generator(cfg: GeneratorConfig, parts: Parts) -> nn.Module:
@@ -236,4 +288,5 @@ def build_generator(cfg: GeneratorConfig, parts: Parts) -> nn.Module:
         low = parts.data.bounds[0][0] if parts.data.bounds else 0.0
         output = "tanh" if low < 0 else "sigmoid"
     cls = DCGANGenerator if cfg.architecture == "dcgan" else ResNetGenerator
-    return normal_init_(cls(cfg.latent_dim, channels, side, cfg.base, output), cfg.init_std)
+    net = normal_init_(cls(cfg.latent_dim, channels, side, cfg.base, output), cfg.init_std)
+    return keep_posterior_statistics(net) if cfg.posterior_statistics else net
