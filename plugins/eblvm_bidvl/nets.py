@@ -163,6 +163,7 @@ STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def batch_norms(net: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    """Every batch norm module of ``net``, in module order."""
     return [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
