@@ -39,6 +39,7 @@ prints one line per reading: the RMSE per pixel in the data's units, on the whol
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -56,58 +57,56 @@ def visualisation_passes(parts, batch_size: int, seed: int) -> None:
         parts.generator(parts.posterior.mean(samples))
 
 
-def reestimated_statistics(parts, batch_size: int, updates: int, seed: int) -> None:
-    """Reset batch norm in the encoder and the generator and fill its running statistics with the
-    equal average over ``updates`` updates' training passes at the current weights (no gradients)."""
-    norms = [
-        m
-        for net in (parts.posterior, parts.generator)
-        for m in net.modules()
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-    ]
+@contextlib.contextmanager
+def equal_average(nets):
+    """Within the block batch norm in ``nets`` starts from reset statistics and averages every pass
+    equally (``momentum = None``); the momenta are put back after."""
+    norms = [m for net in nets for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     momenta = [m.momentum for m in norms]
     for m in norms:
         m.reset_running_stats()
         m.momentum = None
+    try:
+        yield
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+
+
+def posterior_draw_pass(parts, batch_size: int, g: torch.Generator) -> None:
+    """The lower level's pass on posterior draws: G(μ(v) + σ(v)ε) for a random training batch v (train mode, no gradients)."""
+    index = torch.randint(parts.data.size("train"), (batch_size,), generator=g)
+    v = parts.data.take("train", index).to(parts.device, parts.dtype)
+    mu, log_std = parts.posterior.params(v)
+    noise = torch.randn(mu.shape, generator=g).to(parts.device, parts.dtype)
+    parts.generator(mu + log_std.exp() * noise)
+
+
+def reestimated_statistics(parts, batch_size: int, updates: int, seed: int) -> None:
+    """Reset batch norm in the encoder and the generator and fill its running statistics with the
+    equal average over ``updates`` updates' training passes at the current weights (no gradients)."""
     g = torch.Generator().manual_seed(seed)
     parts.posterior.train(), parts.generator.train()
-    with torch.no_grad():
+    with equal_average((parts.posterior, parts.generator)), torch.no_grad():
         for _ in range(updates):
             z = torch.randn(batch_size, parts.generator.latent_dim, generator=g).to(parts.device, parts.dtype)
-            index = torch.randint(parts.data.size("train"), (batch_size,), generator=g)
-            v = parts.data.take("train", index).to(parts.device, parts.dtype)
             samples = parts.generator(z)
             parts.generator(z)  # the lower step's pass on the upper step's z: twice in the average, as in training
-            mu, log_std = parts.posterior.params(v)
-            noise = torch.randn(mu.shape, generator=g).to(parts.device, parts.dtype)
-            parts.generator(mu + log_std.exp() * noise)
+            posterior_draw_pass(parts, batch_size, g)
             parts.posterior.mean(samples)
-    for m, momentum in zip(norms, momenta):
-        m.momentum = momentum
 
 
 def posterior_draw_statistics(parts, batch_size: int, updates: int, seed: int) -> None:
     """Reset the generator's batch norm and fill its running statistics with the equal average over
     ``updates`` lower-level passes on posterior draws h = μ(v) + σ(v)ε (no gradients); the
     encoder runs in train mode, as in training, and its statistics are put back."""
-    norms = [m for m in parts.generator.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    momenta = [m.momentum for m in norms]
-    for m in norms:
-        m.reset_running_stats()
-        m.momentum = None
     kept = {k: b.clone() for k, b in parts.posterior.state_dict().items()}
     g = torch.Generator().manual_seed(seed)
     parts.posterior.train(), parts.generator.train()
-    with torch.no_grad():
+    with equal_average((parts.generator,)), torch.no_grad():
         for _ in range(updates):
-            index = torch.randint(parts.data.size("train"), (batch_size,), generator=g)
-            v = parts.data.take("train", index).to(parts.device, parts.dtype)
-            mu, log_std = parts.posterior.params(v)
-            noise = torch.randn(mu.shape, generator=g).to(parts.device, parts.dtype)
-            parts.generator(mu + log_std.exp() * noise)
+            posterior_draw_pass(parts, batch_size, g)
     parts.posterior.load_state_dict(kept)
-    for m, momentum in zip(norms, momenta):
-        m.momentum = momentum
 
 
 def one_set(generator: torch.nn.Module) -> bool:
