@@ -28,10 +28,11 @@
 #      benchmarks/graph_order_check.py (which earlier test makes the graph-replay draw test fail);
 #   next (alone in a call, what both issues still ask): graph_rng_check.py --fresh and
 #      tests/test_cuda.py (does the synchronisation after capture mend the draw test?); the bundled
-#      cifar10_bidvl (no softplus), seeds 0-3, for both RMSE readings and bidvl_batchnorm.py's;
-#      mnist_bimdsm from step 0 for the whole call with a checkpoint kept every 10,000 steps, the
-#      posterior means of each kept one exported for the SVM probe here, then its samples and
-#      embedding at the last step.
+#      cifar10_bidvl (no softplus), seeds 0-3, for both RMSE readings and bidvl_batchnorm.py's, and
+#      seed 0's 10,000 generator samples for FID here (fid_offline.py score); mnist_bimdsm from step
+#      0 for the whole call with a checkpoint kept every 10,000 steps (KEEP_EVERY), each kept one's
+#      posterior means scored by the linear SVM on the lease as it appears, then the last step's
+#      means exported for the SVM here, its samples and embedding.
 set -u
 work=$1 budget=$2 data=$3 phases=${4:-early alone late} back=${5:-}
 start=$(date +%s)
@@ -97,6 +98,7 @@ bidvl_runs() {
             (
                 run 160 "$name" python3 -m eblvm run "$work/recipes/cifar10_bidvl.toml" \
                     -o run.seed=$seed -o "model.activation=\"$activation\"" --out "$work/runs/$name"
+                touch "$work/runs/$name.done"
                 run 60 "batchnorm_$name" python3 benchmarks/bidvl_batchnorm.py "$work/runs/$name/cifar10_bidvl" \
                     --device cuda
             ) &
@@ -161,21 +163,37 @@ if [[ " $phases " == *" more "* ]]; then  # a second lease: more BiDVL seeds; th
     run 170 graph_order_check python3 benchmarks/graph_order_check.py --jobs 6 &
 fi
 if [[ " $phases " == *" next "* ]]; then
-    say "next: the RNG check, the CUDA tests, BiDVL seeds 0-3 without the softplus, MNIST BiMDSM for the whole call"
+    say "next: the RNG check, the CUDA tests, BiDVL seeds 0-3 (seed 0's samples for FID), MNIST BiMDSM for the whole call"
     bidvl_runs identity 0 1 2 3
+    (  # FID is scored off the lease (benchmarks/fid_offline.py score): 10,000 samples in two parts
+        while [ ! -e "$work/runs/bidvl_identity_s0.done" ] && [ "$(left)" -gt 100 ]; do sleep 5; done
+        run 60 export_samples python3 benchmarks/fid_offline.py export \
+            "$work/runs/bidvl_identity_s0/cifar10_bidvl" "$work/samples_bidvl_s0" --parts 2 --sampler generator
+    ) &
     run 90 graph_rng_fresh python3 benchmarks/graph_rng_check.py --fresh &
     run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
+    (sleep 240 && pack) &  # what is done by then comes back even if the call is cut short
     (
-        run $(($(left) - 140)) long_mnist_bimdsm python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" \
-            -o run.keep_every=10000 --out "$work/runs/long"
-        for kept in "$work"/runs/long/mnist_bimdsm/*/checkpoints/step-*.pt; do
-            [ -e "$kept" ] || continue
-            step=$(basename "$kept" .pt)
-            run 25 "means_$step" python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" \
-                "$work/mnist_means_$step.npz" --checkpoint "$kept"
-        done
+        run $(($(left) - 150)) long_mnist_bimdsm python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" \
+            -o run.keep_every="${KEEP_EVERY:-10000}" --out "$work/runs/long"
+        touch "$work/runs/long.done"
         finish_mnist_bimdsm
     ) &
+    # each checkpoint kept every 10,000 steps, as it appears: its posterior means and their linear SVM, here
+    # (scikit-learn is on the lease; the means stay here, a lease returns 8 files)
+    mkdir -p "$work/kept"
+    while [ "$(left)" -gt 45 ]; do
+        for kept in "$work"/runs/long/mnist_bimdsm/*/checkpoints/step-*.pt; do
+            step=$(basename "$kept" .pt)
+            [ -e "$kept" ] && [ ! -e "$work/kept/$step.tried" ] || continue
+            touch "$work/kept/$step.tried"
+            run 40 "means_$step" python3 benchmarks/svm_offline.py export "$work/runs/long/mnist_bimdsm" \
+                "$work/kept/$step.npz" --checkpoint "$kept"
+            run 120 "svm_$step" python3 benchmarks/svm_offline.py score "$work/kept/$step.npz" &
+        done
+        [ -e "$work/runs/long.done" ] && break
+        sleep 10
+    done
     wait
 fi
 while [ "$(jobs -rp | wc -l)" -gt 0 ] && [ "$(left)" -gt 20 ]; do sleep 2; done
