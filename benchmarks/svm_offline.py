@@ -8,8 +8,10 @@ LinearSVC, the papers' protocol) on them, and on raw pixels when given the recip
 
     python benchmarks/svm_offline.py export RUN_DIR OUT.npz [--n-train 60000] [--n-test 10000]
     python benchmarks/svm_offline.py score OUT.npz [--raw RECIPE -o data.root=...]
+    python benchmarks/svm_offline.py embed OUT.npz FIGURE.png [--n 2000] [--method tsne]
 
-``score`` prints the accuracies, one per line.
+``score`` prints the accuracies, one per line. ``embed`` draws the first ``n`` test means in 2-D as
+the ``posterior-embedding`` evaluator does (BiSM Fig. 11 is t-SNE).
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ def score(args: argparse.Namespace) -> None:
         print(f"{name}_accuracy {accuracy:.4f}")
 
 
+def embed(args: argparse.Namespace) -> None:
+    from eblvm_metrics.probes import EMBEDDING_NAMES, embedded
+    from torchvision.utils import save_image
+
+    from eblvm_core.plot import embedding, render
+
+    saved = np.load(args.means)
+    means, labels = torch.from_numpy(saved["test_means"][: args.n]), torch.from_numpy(saved["test_labels"][: args.n])
+    title = f"posterior means of {len(means)} test examples, step {int(saved['step'])}"
+    figure = embedding(embedded(means, args.method), labels, title, EMBEDDING_NAMES[args.method])
+    save_image(render(figure), args.figure)
+    print(args.figure)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -74,8 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     scored.add_argument("means")
     scored.add_argument("--raw", metavar="RECIPE", help="also fit on the raw pixels of this recipe's data")
     scored.add_argument("-o", "--override", action="append", default=[])
+    drawn = sub.add_parser("embed", help="the test means in 2-D, one colour per class, as a PNG")
+    drawn.add_argument("means")
+    drawn.add_argument("figure")
+    drawn.add_argument("--n", type=int, default=2000)
+    drawn.add_argument("--method", choices=("pca", "tsne"), default="tsne")
     args = parser.parse_args(argv)
-    (export if args.command == "export" else score)(args)
+    {"export": export, "score": score, "embed": embed}[args.command](args)
 
 
 if __name__ == "__main__":

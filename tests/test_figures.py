@@ -177,6 +177,20 @@ def test_posterior_embedding_evaluator_returns_the_rendered_figure():
     assert (image < 0.9).any(0).float().mean() > 0.01  # drawn on
 
 
+def test_the_pca_embedding_keeps_every_distance_of_points_on_a_plane():
+    """Points on a 2-D plane of R^6 (offset from 0): their first two principal components are an
+    isometry of the plane, so every pairwise distance survives; an embedding that kept two raw
+    coordinates would not."""
+    from eblvm_metrics.probes import embedded
+
+    generator = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(6, 2, generator=generator, dtype=torch.float64))[0]
+    points = torch.randn(40, 2, generator=generator, dtype=torch.float64) @ basis.T + 3.0
+    flat = embedded(points, "pca")
+    assert flat.shape == (40, 2)
+    assert torch.allclose(torch.cdist(flat, flat), torch.cdist(points, points), atol=1e-6)
+
+
 # ---- learning curves and comparisons ----------------------------------------------------------
 
 

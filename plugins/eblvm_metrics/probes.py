@@ -86,6 +86,19 @@ class EmbeddingConfig:
     size: int = option(480, "height of the image in pixels (the class legend adds to its width)", positive)
 
 
+EMBEDDING_NAMES = {"pca": "PCA", "tsne": "t-SNE"}
+
+
+def embedded(points: Tensor, method: Literal["pca", "tsne"]) -> Tensor:
+    """Points (n, d) -> (n, 2): their first two principal components, or t-SNE's map (seed 0)."""
+    if method == "pca":
+        centred = points - points.mean(0)
+        return centred @ torch.linalg.svd(centred, full_matrices=False).Vh[:2].T
+    from sklearn.manifold import TSNE
+
+    return torch.from_numpy(TSNE(2, init="pca", random_state=0).fit_transform(points.numpy())).float()
+
+
 def build_posterior_embedding(cfg: EmbeddingConfig, parts: Parts):
     """Posterior means E_q[h | v] embedded in 2-D (PCA or t-SNE), one colour per class, with axes and a class legend."""
     _needs_labels_and_posterior(parts, (cfg.split,))
@@ -94,19 +107,11 @@ def build_posterior_embedding(cfg: EmbeddingConfig, parts: Parts):
     def evaluate(parts: Parts) -> EvalResult:
         n = min(cfg.n, parts.data.size(cfg.split))
         means = posterior_means(parts, cfg.split, n, 500)
-        if cfg.method == "pca":
-            centred = means - means.mean(0)
-            points = centred @ torch.linalg.svd(centred, full_matrices=False).Vh[:2].T
-        else:
-            from sklearn.manifold import TSNE
-
-            points = torch.from_numpy(TSNE(2, init="pca", random_state=0).fit_transform(means.numpy())).float()
-        name = {"pca": "PCA", "tsne": "t-SNE"}[cfg.method]
         figure = embedding(
-            points,
+            embedded(means, cfg.method),
             parts.data.labels[cfg.split][:n],
             rf"posterior means $E_q[h\,|\,v]$ of {n} {cfg.split} examples",
-            name,
+            EMBEDDING_NAMES[cfg.method],
             cfg.size,
         )
         return EvalResult(images={"embedding": render(figure)})
