@@ -174,7 +174,7 @@ if [[ " $phases " == *" next "* ]]; then
     run 160 cuda_tests python3 -m pytest -q -p no:cacheprovider $xdist -rfEs --durations=12 tests/test_cuda.py &
     (sleep 240 && pack) &  # what is done by then comes back even if the call is cut short
     (
-        run $(($(left) - 150)) long_mnist_bimdsm python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" \
+        run $(($(left) - 100)) long_mnist_bimdsm python3 -m eblvm run "$work/recipes/mnist_bimdsm.toml" \
             -o run.keep_every="${KEEP_EVERY:-10000}" --out "$work/runs/long"
         touch "$work/runs/long.done"
         finish_mnist_bimdsm
