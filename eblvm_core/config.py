@@ -9,7 +9,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 import attrs
 
 from eblvm_core.errors import ConfigError
-from eblvm_core.registry import did_you_mean
+from eblvm_core.registry import did_you_mean, option_default
 
 
 def option(default: Any = attrs.NOTHING, help: str = "", validator: Any = None, **kw: Any) -> Any:
@@ -148,11 +148,7 @@ def describe(cls: type) -> list[tuple[str, str, str, str]]:
     attrs.resolve_types(cls)
     rows = []
     for f in attrs.fields(cls):
-        if f.default is attrs.NOTHING:
-            default = "(required)"
-        elif isinstance(f.default, attrs.Factory):  # type: ignore[arg-type]
-            default = repr(f.default.factory())
-        else:
-            default = repr(f.default)
+        default = option_default(f)
+        default = "(required)" if default is attrs.NOTHING else repr(default)
         rows.append((f.name, _type_name(f.type), default, f.metadata.get("help", "")))
     return rows

@@ -14,7 +14,7 @@ import cattrs
 from eblvm_core.config import coerce, non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import Loaded, load
-from eblvm_core.registry import KINDS, Entry, did_you_mean
+from eblvm_core.registry import KINDS, Entry, did_you_mean, option_default
 
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?|mps")
 
@@ -156,10 +156,7 @@ class Recipe:
         else:
             return attrs.NOTHING
         field = attrs.fields_dict(type(config)).get(key) if attrs.has(type(config)) else None
-        if field is None:
-            return attrs.NOTHING
-        default = field.default
-        return default.factory() if isinstance(default, attrs.Factory) else default  # type: ignore[union-attr]
+        return attrs.NOTHING if field is None else option_default(field)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as TOML-ready data."""

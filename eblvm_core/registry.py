@@ -85,13 +85,17 @@ class Entry:
         return tuple(template.format_map(values) for template in self.reports)
 
 
-def _default(field: attrs.Attribute) -> Any:
-    """An option's default; a required option stays ``{name}``."""
-    if field.default is attrs.NOTHING:
-        return f"{{{field.name}}}"
+def option_default(field: attrs.Attribute) -> Any:
+    """An option's default value (a factory's called), or ``attrs.NOTHING`` for a required option."""
     if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
         return field.default.factory()
     return field.default
+
+
+def _default(field: attrs.Attribute) -> Any:
+    """An option's default; a required option stays ``{name}``."""
+    default = option_default(field)
+    return f"{{{field.name}}}" if default is attrs.NOTHING else default
 
 
 REPORTS = "Reports:"
