@@ -42,6 +42,7 @@ import argparse
 import contextlib
 
 import torch
+from eblvm_bidvl.nets import batch_norms
 
 
 def visualisation_passes(parts, batch_size: int, seed: int) -> None:
@@ -61,7 +62,7 @@ def visualisation_passes(parts, batch_size: int, seed: int) -> None:
 def equal_average(nets):
     """Within the block batch norm in ``nets`` starts from reset statistics and averages every pass
     equally (``momentum = None``); the momenta are put back after."""
-    norms = [m for net in nets for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    norms = [m for net in nets for m in batch_norms(net)]
     momenta = [m.momentum for m in norms]
     for m in norms:
         m.reset_running_stats()
