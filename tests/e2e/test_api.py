@@ -1,0 +1,222 @@
+"""The Python API (``import eblvm``): ``train`` takes a path, a dict or a Recipe and trains through
+the command line's own code path (the same parameters to the bit, the same final metrics, run
+directory, threads and provenance); ``load`` gives the parts of a saved run, and its ``evaluate``
+and ``sample`` give what ``eblvm eval`` and ``eblvm sample`` give."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+import eblvm
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.errors import ConfigError, EblvmError
+from tests.support import BISM, ROOT, SMALL_RECIPE
+
+quiet = None  # echo=None: nothing printed
+
+
+def only_run_dir(out: Path) -> Path:
+    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
+    return run_dir
+
+
+def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's trained state (networks, optimizers, EMA), by path."""
+    found = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, dict):
+            found.update(tensors(value, name + "/"))
+        elif isinstance(value, (list, tuple)):
+            found.update(tensors(dict(enumerate(value)), name + "/"))
+    return found
+
+
+def assert_same_parameters(a_dir: Path, b_dir: Path) -> None:
+    a, b = (ckpt.load(ckpt.last_checkpoint(d)) for d in (a_dir, b_dir))
+    ta = tensors({k: a[k] for k in ("networks", "optimizers", "ema")})
+    tb = tensors({k: b[k] for k in ("networks", "optimizers", "ema")})
+    assert ta.keys() == tb.keys() and ta
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def printed(output: str) -> dict[str, str]:
+    """The final metrics `eblvm run` prints: 'name: value' lines before 'done:'."""
+    found = {}
+    for line in output.splitlines():
+        key, sep, value = line.partition(": ")
+        if sep and "/" in key and " " not in key:
+            found[key] = value
+    return found
+
+
+def test_a_recipe_path_trains_as_the_command_line_does(write_recipe, tmp_path):
+    """The same recipe file: `python -m eblvm run` in a fresh process and eblvm.train here give the
+    same parameters and optimizer state to the bit, and the API returns the printed final metrics."""
+    recipe = write_recipe(BISM)
+    cli_out = tmp_path / "cli"
+    done = subprocess.run(
+        [sys.executable, "-m", "eblvm", "run", str(recipe), "--out", str(cli_out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    run = eblvm.train(recipe, out=tmp_path / "api", echo=quiet)
+    assert_same_parameters(only_run_dir(cli_out), run.run_dir)
+    shown = printed(done.stdout)
+    assert shown and shown == {k.removeprefix("eval/"): f"{v:.6g}" for k, v in run.metrics.items()}
+    final = [r for r in map(json.loads, (run.run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] == 30]
+    assert {k: v for k, v in final[-1].items() if k.startswith("eval/")} == run.metrics
+    assert run.run_dir.parent == tmp_path / "api" / "small" and run.status == "finished"
+
+
+def test_a_dict_recipe_trains_as_its_file_does(cli, write_recipe, tmp_path):
+    """TOML-ready data, as tomllib reads the file, with overrides as a mapping: the same
+    parameters and metrics as `eblvm run FILE -o ...`, the same resolved recipe.toml, one CPU
+    thread for this tiny model as the command line chooses, and torch's setting put back."""
+    recipe = write_recipe(SMALL_RECIPE)
+    result = cli(["run", recipe, "--out", tmp_path / "cli", "-o", "run.steps=25", "-o", "optim.model.lr=0.02"])
+    assert result.exit_code == 0, result.output
+    data = tomllib.loads(SMALL_RECIPE)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run = eblvm.train(data, overrides={"run.steps": 25, "optim.model.lr": 0.02}, out=tmp_path / "api", echo=quiet)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    cli_dir = only_run_dir(tmp_path / "cli")
+    assert_same_parameters(cli_dir, run.run_dir)
+    assert printed(result.output) == {k.removeprefix("eval/"): f"{v:.6g}" for k, v in run.metrics.items()}
+    assert (cli_dir / "recipe.toml").read_text() == (run.run_dir / "recipe.toml").read_text()
+    assert data == tomllib.loads(SMALL_RECIPE), "the caller's dict is left as it was"
+    session = json.loads((run.run_dir / "run.json").read_text())["sessions"][0]
+    assert session["threads"] == 1 and session["command"].startswith("eblvm.train(<recipe dict>, overrides=[")
+
+
+def test_a_recipe_object_and_its_overrides(tmp_path):
+    recipe = eblvm.load_recipe(tomllib.loads(SMALL_RECIPE), {"run.steps": 12, "run.log_every": 4})
+    assert recipe.run.steps == 12 and recipe.path == "<recipe dict>"
+    a = eblvm.train(recipe, out=tmp_path / "a", echo=quiet)
+    b = eblvm.train(recipe.to_dict(), overrides=["run.steps=12"], out=tmp_path / "b", echo=quiet)
+    assert_same_parameters(a.run_dir, b.run_dir)
+    assert [r["step"] for r in a.history() if "train/loss" in r] == [4, 8, 12]
+    assert a.checkpoints() == ["last"]
+
+
+def test_train_resumes_a_run_as_the_command_line_does(tmp_path):
+    data = tomllib.loads(SMALL_RECIPE)
+    full = eblvm.train(data, out=tmp_path / "full", echo=quiet)
+    part = eblvm.train(data, overrides={"run.steps": 20}, out=tmp_path / "part", echo=quiet)
+    lines: list[str] = []
+    resumed = eblvm.train(resume=part.run_dir.parent, overrides={"run.steps": 30}, echo=lines.append)
+    assert resumed.run_dir == part.run_dir
+    assert any("a run name's folder; using its one run" in line for line in lines)
+    assert any(line == f"resuming {part.run_dir} at step 20" for line in lines)
+    assert_same_parameters(full.run_dir, resumed.run_dir)
+    assert resumed.metrics == full.metrics
+    again = eblvm.train(resume=part.run_dir, overrides={"run.steps": 30}, echo=quiet)
+    assert again.metrics == full.metrics  # finished: nothing trained, the final evaluation read back
+
+
+def test_errors_are_the_command_lines(tmp_path):
+    bad = tomllib.loads(SMALL_RECIPE)
+    bad["run"]["steps"] = 0
+    with pytest.raises(ConfigError, match=r"^<recipe dict>: \[run\] steps: must be > 0"):
+        eblvm.train(bad, out=tmp_path, echo=quiet)
+    with pytest.raises(ConfigError, match=r"\[optim\.modle\]"):
+        eblvm.train(tomllib.loads(SMALL_RECIPE), overrides={"optim.modle.lr": 1.0}, out=tmp_path, echo=quiet)
+    with pytest.raises(EblvmError, match="no such directory"):
+        eblvm.load(tmp_path / "gone")
+    with pytest.raises(ValueError, match="one of them"):
+        eblvm.train(tomllib.loads(SMALL_RECIPE), resume=tmp_path)
+    with pytest.raises(ValueError, match="one of them"):
+        eblvm.train()
+    assert not any(tmp_path.iterdir()), "a refused recipe writes nothing"
+
+
+def test_load_gives_the_parts_and_evaluates_and_samples_as_the_commands_do(cli, write_recipe, tmp_path):
+    """load(): model, posterior, data and sampler of the saved run; evaluate() equals `eblvm eval`
+    (AIS included: seeded alike) and repeats itself; sample(n) equals `eblvm sample`'s raw samples."""
+    text = BISM + '\n[[eval]]\nkind = "ais-loglik"\nn_chains = 50\nn_reverse_chains = 20\nn_temps = 50\n'
+    run = eblvm.train(tomllib.loads(text), out=tmp_path / "runs", echo=quiet)
+    loaded = eblvm.load(run.run_dir, echo=quiet)
+    assert loaded.step == 30 and loaded.checkpoint == "last"
+    assert loaded.model is loaded.parts.model and loaded.posterior is not None
+    assert loaded.data.train.shape == (2000, 2)
+    state = ckpt.load(ckpt.last_checkpoint(run.run_dir))["networks"]["model"]
+    assert all(torch.equal(p, state[name]) for name, p in loaded.model.state_dict().items())
+
+    result = cli(["eval", run.run_dir])
+    assert result.exit_code == 0, result.output
+    first = loaded.evaluate(echo=quiet).scalars
+    assert printed(result.output) == {k.removeprefix("eval/"): f"{v:.6g}" for k, v in first.items()}
+    assert loaded.evaluate(echo=quiet).scalars == first
+    assert run.evaluate(echo=quiet).scalars == first
+    assert set(run.evaluate(evaluators=["score-loss"], echo=quiet).scalars) == {
+        "eval/score-loss/test_score_loss",
+        "eval/score-loss/test_score_loss_stderr",
+    }
+    ais = loaded.evaluate([{"kind": "ais-loglik", "n_chains": 7, "n_temps": 20}], echo=quiet).scalars
+    assert 1 <= ais["eval/ais-loglik/log_z_ess"] <= 7
+
+    out = tmp_path / "s.png"
+    assert cli(["sample", run.run_dir, "-n", "9", "--out", out]).exit_code == 0
+    samples = loaded.sample(9)
+    assert samples.shape == (9, 2) and torch.equal(samples, torch.load(tmp_path / "s.pt"))
+    assert torch.equal(run.sample(9), samples)
+    generator = torch.Generator().manual_seed(0)  # the run's seed, as load() was given
+    assert torch.equal(loaded.sampler.sample(loaded.model, 9, generator), samples)
+
+
+def test_record_does_what_eblvm_eval_does(tmp_path):
+    run = eblvm.train(tomllib.loads(SMALL_RECIPE), out=tmp_path / "runs", echo=quiet)
+    before = len(run.history())
+    run.evaluate(echo=quiet)
+    assert len(run.history()) == before, "evaluate() alone writes nothing"
+    result = run.evaluate(record=True, echo=quiet)
+    row = run.history()[-1]
+    assert row["checkpoint"] == "last" and row["step"] == 30
+    assert {k: v for k, v in row.items() if k.startswith("eval/")} == result.scalars
+    assert eblvm.Run(run.run_dir).metrics == run.metrics, "rows of eblvm eval are not the final evaluation"
+
+
+def test_importing_eblvm_is_cheap_and_python_m_eblvm_works():
+    code = "import sys, eblvm; assert 'torch' not in sys.modules and 'eblvm_core.plugins' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    shown = subprocess.run(
+        [sys.executable, "-m", "eblvm", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0 and "eval" in shown.stdout and "run" in shown.stdout
+    assert {"train", "load", "load_recipe", "Run", "LoadedRun"} <= set(dir(eblvm))
+    with pytest.raises(AttributeError):
+        eblvm.nope  # noqa: B018
+
+
+def test_override_values_are_written_as_toml():
+    from eblvm_core.api import override_list
+
+    values = {"a.b": 1e-3, "a.c": "cosine", "a.d": [64, 64], "a.e": {"burn_in": 200, "final_mean": True}, "a.f": 'q"'}
+    assert override_list(values) == [
+        "a.b=0.001",
+        'a.c="cosine"',
+        "a.d=[64, 64]",
+        'a.e={ "burn_in" = 200, "final_mean" = true }',
+        'a.f="q\\""',
+    ]
+    from eblvm_core.recipe import parse_value
+
+    assert [parse_value(o.partition("=")[2]) for o in override_list(values)] == list(values.values())
+    assert override_list("run.steps=3") == ["run.steps=3"]
