@@ -4,6 +4,7 @@
     python benchmarks/bench_deep.py --flops [--out flops.md]      # any device, the CPU will do
     python benchmarks/bench_deep.py --peak [--out peak.md]        # the device's measured matmul rate
     python benchmarks/bench_deep.py --profile [--cases 0 3] [--out profile.md]
+    python benchmarks/bench_deep.py --smoke [--flops | --peak | --profile]   # tiny networks, batch 4: a check, not a timing
 
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10- or MNIST-shaped
 data (no data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
@@ -28,8 +29,12 @@ pass the update takes; elementwise work is not counted), after one warm-up updat
 of the update, not of the device, so the CPU gives the numbers a GPU's step times divide.
 
 Beside each case stand the papers' released code's step time and peak memory for the same
-update, and the target for this project, as issue 23 measured and set them on one NVIDIA H100
-80GB (torch 2.11, batch 100): the ratio column means something only on that card.
+update, measured on one NVIDIA H100 80GB (torch 2.11, batch 100), and this project's target for
+that card: the ratio column means something only on an H100.
+
+``--smoke`` shrinks every case (batch 4, one thread; ResNets of width 8 with one block per stage; BiDVL's nets
+of base 8), times 2 steps after 1 of warm-up and multiplies a ``--peak`` product down to 256 × 256:
+every case builds and steps in seconds on a CPU, and the numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -78,8 +83,8 @@ CASES = [
 ]
 
 
-# case name -> (released code's median step in ms, its peak GiB, eblvm's target in ms), from issue 23
-# (H100, torch 2.11); BiDVL's released figure is its own training loop's, its target through `eblvm run`.
+# case name -> (released code's median step in ms, its peak GiB, eblvm's target in ms), measured on one
+# H100 (torch 2.11); BiDVL's released figure is its own training loop's, its target through `eblvm run`.
 RELEASED_H100 = {
     "MDSM (exact score), fp32": (58.6, 5.40, 20.0),
     "BiMDSM (K=5, N=0), fp32": (111.5, 3.02, 37.0),
@@ -124,11 +129,27 @@ def idx_bytes(array: np.ndarray) -> bytes:
     return header + array.tobytes()
 
 
+SMOKE = False  # --smoke: every case shrunk by ``tiny``
+
+
+def tiny(raw: dict) -> list[str]:
+    """Overrides that shrink a deep recipe to seconds on a CPU: batch 4, one thread, ResNets of width 8
+    with one block per stage, BiDVL's energy, encoder and generator of base 8."""
+    overrides = ["run.batch_size=4", "run.threads=1"]
+    if str(raw["model"]["kind"]).startswith("resnet"):
+        overrides += ['model.preset="custom"', "model.width=8", "model.blocks=1"]
+    overrides += [
+        f"{section}.base=8" for section in ("model", "posterior", "generator") if "base" in raw.get(section, {})
+    ]
+    return overrides
+
+
 def build_case(recipe: str, overrides: list[str], root: Path, device: torch.device) -> tuple[Any, Any, Tensor]:
     """(validated recipe, built parts, one batch) of a case on the fake data in ``root``."""
     raw = read(ROOT / "recipes" / recipe)
     raw["eval"] = []
-    for override in [*overrides, f'data.root="{root}"', 'run.device="cpu"']:
+    shrink = tiny(raw) if SMOKE else []
+    for override in [*overrides, *shrink, f'data.root="{root}"', 'run.device="cpu"']:
         apply_override(raw, override)
     spec = validate(raw, recipe)
     seed_everything(0)
@@ -212,7 +233,7 @@ def state_bytes(optimizers: Any) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -224,21 +245,25 @@ def main() -> None:
         "--no-cudnn-benchmark", action="store_true", help="cuDNN's heuristic algorithms (eblvm run's default)"
     )
     parser.add_argument("--profile", action="store_true", help="profile --steps eager steps of each case")
+    parser.add_argument("--smoke", action="store_true", help="tiny networks, batch 4, 2 steps: a check, not a timing")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.smoke:
+        global SMOKE
+        SMOKE, args.steps, args.warmup = True, 2, 1
     if args.flops:
         return flops_table(device, args.cases, args.out)
     if args.peak:
-        return peak_table(device, args.out)
+        return peak_table(device, args.out, *((256, 2) if args.smoke else ()))
     # fixed shapes: let cuDNN time its convolution algorithms and keep the fastest ([run] cudnn_benchmark)
     torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
     if args.profile:
         return profile_table(device, args.steps, args.cases, args.out)
     card = device_name(device)
     lines = [
-        f"Device: {card}; torch {torch.__version__}; batch 100, 3×32×32 (MNIST 1×32×32); cuDNN autotuning "
-        f"{'off' if args.no_cudnn_benchmark else 'on'}. Released code and target:"
-        " issue 23's, on one H100 (torch 2.11); the ratio compares only on that card.",
+        f"Device: {card}; torch {torch.__version__}; {batch_label()}, 3×32×32 (MNIST 1×32×32); cuDNN autotuning "
+        f"{'off' if args.no_cudnn_benchmark else 'on'}. Released code and target: measured and set"
+        " on one H100 (torch 2.11); the ratio compares only on that card.",
         "",
         "| case | step | median step (ms) | p10-p90 (ms) | peak memory (GiB) | of which parameters, gradients, "
         "optimizer states (GiB) | released code, H100 (ms) | eblvm / released | released peak (GiB) "
@@ -256,7 +281,7 @@ def main() -> None:
                     continue
                 times, peak, state = timed
                 ms = sorted(1000 * t for t in times)
-                deciles = statistics.quantiles(ms, n=10)
+                deciles = statistics.quantiles(ms, n=10, method="exclusive" if len(ms) >= 10 else "inclusive")
                 median = statistics.median(ms)
                 lines.append(
                     f"| {name} | {'graph' if graphed else 'eager'} | {median:.1f} | {deciles[0]:.1f}-{deciles[-1]:.1f} "
@@ -322,7 +347,7 @@ def profile_case(recipe: str, overrides: list[str], root: Path, device: torch.de
 
 def profile_table(device: torch.device, steps: int, cases: list[int] | None, out: Path | None) -> None:
     """``profile_case`` of each case (or of the ``cases`` indices) as markdown sections."""
-    lines = [f"Profiles of eager steps, {device_name(device)}, torch {torch.__version__}, batch 100.", ""]
+    lines = [f"Profiles of eager steps, {device_name(device)}, torch {torch.__version__}, {batch_label()}.", ""]
     with tempfile.TemporaryDirectory() as tmp:
         root = fake_cifar(Path(tmp))
         for i, (name, recipe, overrides) in enumerate(CASES):
@@ -333,6 +358,10 @@ def profile_table(device: torch.device, steps: int, cases: list[int] | None, out
             lines += [table, "```", ""]
             print("\n".join(lines[-5:]), flush=True)
     write(lines, out)
+
+
+def batch_label() -> str:
+    return "batch 4 and tiny networks (--smoke: the numbers mean nothing)" if SMOKE else "batch 100"
 
 
 def device_name(device: torch.device) -> str:
@@ -353,7 +382,8 @@ def write(lines: list[str], out: Path | None) -> None:
 def flops_table(device: torch.device, cases: list[int] | None, out: Path | None) -> None:
     """One row per distinct update (the fp32 cases; precision and memory format do not change the count)."""
     lines = [
-        f"FLOPs of one update, torch {torch.__version__} (flop_counter: matrix products and convolutions), batch 100.",
+        f"FLOPs of one update, torch {torch.__version__} (flop_counter: matrix products and convolutions), "
+        f"{batch_label()}.",
         "",
         "| case | GFLOP per update |",
         "|---|---|",

@@ -1,6 +1,9 @@
 """Time one training iteration of each estimator, at checkerboard size and at Frey-face size.
 
-    python benchmarks/bench_estimators.py [--rounds 10] [--block 10] [--threads 1 2] [--device cpu] [--out table.md]
+    python benchmarks/bench_estimators.py [--rounds 10] [--block 10] [--threads 1 2] [--device cpu] [--sizes ...] [--out table.md]
+    python benchmarks/bench_estimators.py --rounds 20 --block 10 --frey-block 2 --threads 1 2 --out table.md
+    python benchmarks/bench_estimators.py --device cuda --threads 1 --out table.md     # on a GPU machine
+    python benchmarks/bench_estimators.py --smoke     # every checkerboard case once, in seconds: a check, not a timing
 
 Each case builds the estimator from a bundled recipe (with overrides) and warms up. Then the
 cases take turns: in each of ``--rounds`` rounds every case runs ``--block`` timed steps
@@ -120,7 +123,7 @@ def summary(case: Case) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--block", type=int, default=10, help="timed steps per round at checkerboard size")
     parser.add_argument("--frey-block", type=int, default=2, help="timed steps per round at Frey size")
@@ -130,7 +133,14 @@ def main() -> None:
     parser.add_argument(
         "--sizes", nargs="+", choices=["checkerboard", "middle", "frey"], default=["checkerboard", "frey"]
     )
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each case first")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one round of one step per case, checkerboard only, one thread, no warm-up"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.block, args.frey_block, args.warmup = 1, 1, 1, 0
+        args.threads, args.sizes = [1], ["checkerboard"]
 
     cells: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -145,7 +155,7 @@ def main() -> None:
                 make_case(size, name, ROOT / "recipes" / recipe, overrides, block, args.device)
                 for size, name, recipe, overrides, block in specs
             ]
-            time_interleaved(cases, args.rounds, warmup=3)
+            time_interleaved(cases, args.rounds, args.warmup)
             for case in cases:
                 median, low, high = summary(case)
                 cells.setdefault((case.size, case.name), []).append(f"{median:.2f} ({low:.2f}-{high:.2f})")

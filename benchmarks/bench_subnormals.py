@@ -1,7 +1,8 @@
 """CPU step time of a trained run with subnormal floats computed as IEEE numbers and flushed to
-zero (what `eblvm run` does on a CPU since 2026-11-27; docs/benchmarks.md).
+zero (what `eblvm run` does on a CPU; docs/benchmarks.md).
 
     python benchmarks/bench_subnormals.py RUN_DIR [--checkpoint last.pt] [--steps 20] [--rounds 2]
+    python benchmarks/bench_subnormals.py RUN_DIR --steps 2 --rounds 1     # a check, in seconds
 
 The run's recipe is built on the CPU (one thread) and its checkpoint restored before every block
 of ``--steps`` estimator steps on one fixed batch, the two settings taking turns ``--rounds``
@@ -27,8 +28,8 @@ from eblvm_core.trainer import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run", type=Path)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path, help="a run directory (holds recipe.toml and checkpoints/)")
     parser.add_argument("--checkpoint", default="last.pt")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)

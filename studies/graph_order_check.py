@@ -1,6 +1,6 @@
-"""Which test of tests/test_cuda.py, run before it in the same process, makes a CUDA test fail.
+"""Which test of tests/e2e/test_cuda.py, run before it in the same process, makes a CUDA test fail.
 
-    python benchmarks/graph_order_check.py [TARGET] [--jobs 6]    # a CUDA device
+    python studies/graph_order_check.py [TARGET] [--jobs 6]    # a CUDA device
 
 TARGET (default: the graph-replay random-draw test, which failed only after other tests in one
 process; docs/benchmarks.md) is run after each other test of the file, one fresh pytest process
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-FILE = "tests/test_cuda.py"
+FILE = "tests/e2e/test_cuda.py"
 TARGET = f"{FILE}::test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_on_a_new_shape"
 
 
@@ -32,7 +32,7 @@ def pytest(target: str, *before: str) -> tuple[bool, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", nargs="?", default=TARGET)
     parser.add_argument("--jobs", type=int, default=6)
     args = parser.parse_args()

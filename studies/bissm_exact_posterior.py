@@ -1,9 +1,9 @@
 """Why the bundled BiSSM falls under the scaled coupling (docs/results.md): four measurements. Not a timing.
 
-    python benchmarks/bissm_exact_posterior.py gap RUN_DIR
-    python benchmarks/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data] [--exact-kl]
-    python benchmarks/bissm_exact_posterior.py split RUN_DIR [--checkpoint FILE] [--blur 0.05] [--points 600000] [--seed 1]
-    python benchmarks/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact] [--add-trace-term]
+    python studies/bissm_exact_posterior.py gap RUN_DIR
+    python studies/bissm_exact_posterior.py path RUN_DIR [--checkpoint FILE] [--batches 200] [--blur 0.05 | --model-data] [--exact-kl]
+    python studies/bissm_exact_posterior.py split RUN_DIR [--checkpoint FILE] [--blur 0.05] [--points 600000] [--seed 1]
+    python studies/bissm_exact_posterior.py train [--coupling scaled] [--unroll-steps 5] [--steps 30000] [--posterior exact] [--add-trace-term]
 
 ``gap``: for each checkpoint a grbm_bissm run kept (``[run] keep_every``), the exact SM objective
 J(θ) = mean[½‖∇log p‖² + tr ∇²log p] on the training set beside BiSSM's objective J(θ, φ) with the
@@ -258,7 +258,7 @@ def train(coupling: str, unroll_steps: int, steps: int, posterior: str, add_trac
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("gap").add_argument("run", type=Path)
     at_checkpoint = commands.add_parser("path")

@@ -1,7 +1,7 @@
 """BiSSM's expected model update at a trained checkerboard GRBM, beside the exact score-matching
 gradient, with the posterior and the unrolled steps varied one at a time (docs/results.md).
 
-    python benchmarks/bissm_expected_update.py RUN_DIR [RUN_DIR ...] [--batches 2000] [--only 'α = 3']
+    python studies/bissm_expected_update.py RUN_DIR [RUN_DIR ...] [--batches 2000] [--only 'α = 3']
 
 Not a timing. For each run directory (a grbm_bissm or grbm_ssm run, either coupling: the run's
 own [model] table is used; its last checkpoint is loaded, or ``--checkpoint``) it prints the
@@ -54,7 +54,7 @@ VARIANTS = [  # (label, exact q, unrolled steps N, their step α, relaxed sample
     ("trained q, N = 5, α = 10, 1 sample", False, 5, 10.0, 1),
     ("trained q, N = 5, α = 30, 1 sample", False, 5, 30.0, 1),
 ]
-# The flat-direction options (docs/results.md, "Hypergradients that see the flat directions"):
+# The flat-direction options (docs/results.md, "Why BiSSM plateaus below SSM"):
 # (label, exact q, N, α, samples, options), options among ``exact_kl`` ([divergence] exact),
 # ``natural`` (unroll = "natural" with that natural_damping) and ``implicit`` (bism-implicit with
 # hessian = "fisher-blocks" and that damping).
@@ -109,7 +109,7 @@ def flat(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument(
         "--checkpoint", type=Path, default=None, help="a checkpoint file (one run only; default: its last)"

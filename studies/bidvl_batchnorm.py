@@ -31,7 +31,7 @@ One more re-estimates that set from the lower level's posterior draws h = μ(v) 
 encoder in train mode as in training, its statistics put back), which is what the second set
 holds at the end of a run trained with it, if the average's lag does not matter.
 
-    python benchmarks/bidvl_batchnorm.py RUN_DIR [--checkpoint last] [--batch-size 100] [--updates 40]
+    python studies/bidvl_batchnorm.py RUN_DIR [--checkpoint last] [--batch-size 100] [--updates 40]
 
 prints one line per reading: the RMSE per pixel in the data's units, on the whole test split.
 """
@@ -141,7 +141,7 @@ def generated(parts, z: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("--checkpoint", default="last")
     parser.add_argument("--batch-size", type=int, default=100, help="test batch and visualisation batch (100 released)")

@@ -1,9 +1,9 @@
 """Where a CUDA graph's random draws part from the eager ones, after what the process did before.
 
-    python benchmarks/graph_rng_check.py           # a CUDA device; about 10 s
-    python benchmarks/graph_rng_check.py --fresh   # each variant below in a fresh process; about 30 s
+    python studies/graph_rng_check.py           # a CUDA device; about 10 s
+    python studies/graph_rng_check.py --fresh   # each variant below in a fresh process; about 30 s
 
-On an H100 (torch 2.11) three tests of tests/test_cuda.py failed only after other CUDA graphs had
+On an H100 (torch 2.11) three tests of tests/e2e/test_cuda.py failed only after other CUDA graphs had
 been captured in the same process: a new ``GraphedStep``'s draws left those of the eager run of
 the same seed from the capturing step on (docs/benchmarks.md). This script repeats the smallest
 of them (a step drawing ``randn(3)``, fused Adam) in one process after each of these, in order:
@@ -137,7 +137,7 @@ def fresh(variant: str) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fresh", action="store_true", help="each variant in a fresh process")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()

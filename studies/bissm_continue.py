@@ -1,7 +1,7 @@
 """Continue a finished grbm_bissm run with another number of unrolled steps N, to see whether its
 plateau moves (docs/results.md). Not a timing.
 
-    python benchmarks/bissm_continue.py RUN_DIR OUT_DIR --unroll-steps 100 [--inner-lr 1.0] [--steps 4000] [--eval-every 1000]
+    python studies/bissm_continue.py RUN_DIR OUT_DIR --unroll-steps 100 [--inner-lr 1.0] [--steps 4000] [--eval-every 1000]
 
 The run's networks, optimizers, data position and random streams are restored from its last
 checkpoint; the recipe is the run's own with only ``estimator.unroll_steps`` and ``inner_lr`` (and the schedule
@@ -23,7 +23,7 @@ from eblvm_core.trainer import Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--unroll-steps", type=int, required=True)
