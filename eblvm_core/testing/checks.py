@@ -1,208 +1,20 @@
-"""The plugin author's toolkit: exact test models, fixtures and the contract checks of each kind.
-
-Every component of a kind must pass its kind's check; eblvm's bundled plugins run the same
-checks over the registry (``tests/test_contracts.py``). In a plugin's own tests::
-
-    from eblvm_core.testing import check_divergence
-    from eblvm_mydiv import MyDivergence
-
-    def test_contract():
-        check_divergence(MyDivergence(n_samples=4))
-
-The checks raise ``AssertionError`` with a message saying what failed and why it matters:
-``check_divergence``, ``check_objective``, ``check_estimator``, ``check_model``,
-``check_posterior``, ``check_dataset``, ``check_sampler``, ``check_evaluator``, ``check_logger``
-and ``check_optimizer``. ``make(kind, name, parts, **options)`` builds a registered component
-with its options validated as in a recipe; ``run_short`` trains a few steps of a recipe.
-
-This module is also a pytest plugin (the ``eblvm`` entry of the ``pytest11`` group, loaded
-automatically once eblvm is installed; ``-p no:eblvm`` turns it off) with the fixtures
-``tiny_grbm`` and ``linear_gaussian`` (an :class:`Exact` setup each) and ``short_run``
-(``short_run(recipe_text_or_path, steps=5, **overrides) -> RunResult``, run in a temporary folder).
-
-Exact setups and the registered components they use (``grbm``, ``bernoulli``, ``gaussian``)
-are built through the registry, so the bundled plugins must be loaded.
-"""
+"""The contract checks of each kind of component, as plugin authors run them: each asserts the
+properties the trainer and the estimators rely on (an identity, a gradient against finite
+differences or an exact value, a shape), with a message saying what failed and why it matters."""
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
-import pytest
 import torch
 from torch import Tensor, nn
 
 from eblvm_core.contracts import DataSplits, Divergence, EnergyModel, LatentSpec, Parts, Posterior, ScoreObjective
-
-F64 = torch.float64
-
-
-def make(kind: str, name: str, parts: Any = None, **options: Any) -> Any:
-    """Build the registered component ``name`` of ``kind`` (a registry name: "divergences", ...).
-
-    ``options`` are checked against its config class exactly like a recipe section (unknown
-    keys, types, validators) and the factory is called as ``factory(config, parts)``; for
-    optimizers and loggers pass the params or the run directory as ``parts``.
-    """
-    from eblvm_core.config import structure
-    from eblvm_core.plugins import load
-
-    entry = load()[kind].get(name)
-    config = structure(entry.config, options, kind[:-1])
-    return entry.factory(config, Parts() if parts is None else parts)
-
-
-# ---- models with an exact posterior ----------------------------------------------------------
-
-
-class LinearGaussianEBLVM(EnergyModel):
-    """A linear-Gaussian EBLVM for exact checks: Gaussian v and h, bilinear coupling.
-
-    E(v, h) = ½λ‖v − b‖² + ½hᵀDh − vᵀWh − cᵀh with λ = exp(log_lam), D = diag(exp(log_d));
-    v (B, d) or any (B, ...) that flattens to d.
-    Its posterior is p(h|v) = N(D⁻¹(Wᵀv + c), D⁻¹) and its free energy is Gaussian in v, so the
-    exact marginal score (and every score-matching gradient) is available by autograd.
-    """
-
-    def __init__(self, d: int, m: int, generator: torch.Generator | None = None, dtype: torch.dtype = F64):
-        super().__init__()
-        self.latent = LatentSpec("gaussian", m)
-
-        def rand(*shape: int) -> Tensor:
-            return torch.randn(*shape, generator=generator, dtype=dtype)
-
-        # λ = e^{0.7} ≈ 2 dominates W D⁻¹ Wᵀ for these scales, so the joint is normalisable.
-        self.W = nn.Parameter(0.4 * rand(d, m))
-        self.b = nn.Parameter(0.5 * rand(d))
-        self.c = nn.Parameter(0.5 * rand(m))
-        self.log_d = nn.Parameter(0.3 * rand(m))
-        self.log_lam = nn.Parameter(torch.tensor(0.7, dtype=dtype))
-
-    def energy(self, v: Tensor, h: Tensor) -> Tensor:
-        """v (B, d), h (B, m) -> (B,)."""
-        lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
-        return (
-            0.5 * lam * ((v - self.b) ** 2).sum(-1)
-            + 0.5 * (d * h * h).sum(-1)
-            - ((v @ self.W) * h).sum(-1)
-            - h @ self.c
-        )
-
-    def free_energy(self, v: Tensor) -> Tensor:
-        """F(v) = ½λ‖v − b‖² − ½ aᵀD⁻¹a + ½ Σ log d_j − (m/2) log 2π, a = Wᵀv + c."""
-        lam, d, v = self.log_lam.exp(), self.log_d.exp(), v.flatten(1)
-        a = v @ self.W + self.c
-        m = self.latent.dim
-        return (
-            0.5 * lam * ((v - self.b) ** 2).sum(-1)
-            - 0.5 * (a * a / d).sum(-1)
-            + 0.5 * self.log_d.sum()
-            - 0.5 * m * math.log(2 * math.pi)
-        )
-
-    def posterior_mean(self, v: Tensor) -> Tensor:
-        """E[h | v] = D⁻¹(Wᵀv + c): (B, m)."""
-        return (v.flatten(1) @ self.W + self.c) / self.log_d.exp()
-
-    def set_exact(self, posterior: nn.Module) -> None:
-        """Make a linear Gaussian posterior (``gaussian`` with hidden=[]) equal p(h|v)."""
-        m = self.latent.dim
-        d = self.log_d.exp()
-        with torch.no_grad():
-            posterior.head.weight[:m] = (self.W / d).T
-            posterior.head.bias[:m] = self.c / d
-            posterior.head.weight[m:] = 0.0
-            posterior.head.bias[m:] = -0.5 * self.log_d
-
-
-def linear_gaussian_parts(d: int = 3, m: int = 2, seed: int = 0) -> tuple[LinearGaussianEBLVM, Posterior, Parts]:
-    """(model, linear Gaussian posterior set to the exact posterior, parts) in float64; 200 train points."""
-    g = torch.Generator().manual_seed(seed)
-    model = LinearGaussianEBLVM(d, m, g)
-    data = DataSplits(train=torch.randn(200, d, generator=g, dtype=F64), test=torch.randn(10, d, dtype=F64))
-    parts = Parts(dtype=F64, data=data, model=model)
-    posterior = make("posteriors", "gaussian", parts, hidden=[]).double()
-    model.set_exact(posterior)
-    parts.posterior = posterior
-    return model, posterior, parts
-
-
-@attrs.define
-class Exact:
-    """A model with a known posterior p(h|v), a posterior q set exactly to it, the parts and a batch v.
-
-    ``perturb(scale, seed)`` moves every parameter of q by scale·N(0, 1) noise from the exact
-    point; ``reset()`` puts q back at p(h|v).
-    """
-
-    name: str
-    model: EnergyModel
-    posterior: Posterior
-    parts: Parts
-    v: Tensor
-    exact_state: dict[str, Tensor]
-
-    def reset(self) -> None:
-        self.posterior.load_state_dict(self.exact_state)
-
-    def perturb(self, scale: float, seed: int) -> None:
-        self.reset()
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.posterior.parameters():
-                p += scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
-
-
-def _exact(name: str, model: EnergyModel, posterior: Posterior, parts: Parts, n: int) -> Exact:
-    state = {k: t.detach().clone() for k, t in posterior.state_dict().items()}
-    return Exact(name, model, posterior, parts, parts.data.train[:n], state)
-
-
-def linear_gaussian_setup(d: int = 3, m: int = 2, n: int = 16, seed: int = 0) -> Exact:
-    """The linear-Gaussian EBLVM with a linear Gaussian q = p(h|v) (continuous latents), float64."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model, posterior, parts = linear_gaussian_parts(d, m, seed)
-    return _exact("linear-gaussian", model, posterior, parts, n)
-
-
-def tiny_grbm_setup(
-    d: int = 2, m: int = 3, n: int = 16, seed: int = 0, temperature: float = 0.1, coupling: str = "scaled"
-) -> Exact:
-    """A Gaussian RBM (d visible, m Bernoulli hidden units) with q = p(h|v), float64.
-
-    q is the linear ``bernoulli`` posterior with logits set to c + Uᵀv, the exact GRBM
-    posterior (U = W/σ for the ``scaled`` coupling, W for ``plain``). Because E is linear in h,
-    log q(h|v) + E(v, h) = F(v) for every h, also for the relaxed samples of ``rsample``.
-    """
-    g = torch.Generator().manual_seed(seed)
-    data = DataSplits(train=torch.randn(64, d, generator=g, dtype=F64), test=torch.randn(16, d, generator=g, dtype=F64))
-    parts = Parts(dtype=F64, data=data)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = make(
-            "models", "grbm", parts, n_hidden=m, init_weight_std=1.0, init_sigma=0.8, coupling=coupling
-        ).double()
-        with torch.no_grad():
-            model.b.copy_(0.5 * torch.randn(d, generator=g, dtype=F64))
-            model.c.copy_(0.5 * torch.randn(m, generator=g, dtype=F64))
-        parts.model = model
-        posterior = make("posteriors", "bernoulli", parts, hidden=[], temperature=temperature).double()
-    with torch.no_grad():
-        posterior.net[0].weight.copy_(model.coupling_weight().T)
-        posterior.net[0].bias.copy_(model.c)
-    assert torch.allclose(posterior.logits(data.train), model.hidden_logits(data.train)), "exact GRBM posterior not set"
-    parts.posterior = posterior
-    return _exact("tiny-grbm", model, posterior, parts, n)
-
-
-# ---- contract checks -------------------------------------------------------------------------
+from eblvm_core.testing.references import F64, Exact, linear_gaussian_setup, tiny_grbm_setup
+from eblvm_core.testing.runs import read_recipe
 
 
 def _grads(value: Tensor, params: list[Tensor]) -> list[Tensor]:
@@ -445,8 +257,8 @@ def check_estimator(
 ) -> dict[str, float]:
     """Build the recipe (its [estimator] kind set to ``name`` when absent) and take one step on a
     training batch; assert it returns finite metrics (floats or 0-d tensors) including "loss"
-    (the trainer watches it for NaN/Inf), keeps one torch optimizer per declared role (the
-    trainer checkpoints them), and changes parameters of every role. Returns the metrics as floats.
+    (the trainer watches it for NaN/Inf), made one role per declared role with ``parts.make_role``
+    (the trainer checkpoints them), and changes parameters of every role. Returns the metrics as floats.
 
     With ``reference(parts, batch)``, the gradient (one tensor per parameter of ``parts.model``,
     in ``parameters()`` order) of the loss the estimator's model update should descend at the
@@ -457,7 +269,7 @@ def check_estimator(
     from eblvm_core.checkpoint import seed_everything
     from eblvm_core.recipe import apply_override
 
-    raw = _read_recipe(recipe)
+    raw = read_recipe(recipe)
     raw.setdefault("estimator", {"kind": name})
     assert raw["estimator"].get("kind") == name, (
         f"the recipe's [estimator] kind is {raw['estimator'].get('kind')!r}, not {name!r}"
@@ -467,15 +279,10 @@ def check_estimator(
     seed_everything(seed)
     parsed, parts = _build_with_roles(raw, f"<check_estimator {name}>")
     estimator = parts.estimator
-    assert isinstance(estimator.optimizers, dict) and all(
-        isinstance(o, torch.optim.Optimizer) for o in estimator.optimizers.values()
-    ), f"{name}: optimizers must be a dict role -> torch optimizer (made with parts.make_optimizer)"
-    assert sorted(estimator.optimizers) == sorted(estimator.roles), (
-        f"{name}: one optimizer per declared role {estimator.roles}"
+    assert sorted(parts.roles) == sorted(estimator.roles), (
+        f"{name}: one role per declared role {estimator.roles} (made with parts.make_role), got {sorted(parts.roles)}"
     )
-    from eblvm_core.optim import optimizer_params
-
-    before = {role: [p.detach().clone() for p in optimizer_params(opt)] for role, opt in estimator.optimizers.items()}
+    before = {role_name: [p.detach().clone() for p in role.params] for role_name, role in parts.roles.items()}
     metrics = estimator.step(parts.data.tensor("train", parsed.run.batch_size))
     assert isinstance(metrics, dict) and "loss" in metrics, (
         f"{name}: step must return a dict of metrics with 'loss', got {metrics!r}"
@@ -486,9 +293,9 @@ def check_estimator(
     }
     bad = {k: v for k, v in as_float.items() if not isinstance(v, float) or not math.isfinite(v)}
     assert not bad, f"{name}: metrics must be finite floats or 0-d tensors, got {bad}"
-    for role, opt in estimator.optimizers.items():
-        moved = any(not torch.equal(b, p) for b, p in zip(before[role], optimizer_params(opt)))
-        assert moved, f"{name}: one step left the parameters of role '{role}' unchanged"
+    for role_name, role in parts.roles.items():
+        moved = any(not torch.equal(b, p) for b, p in zip(before[role_name], role.params))
+        assert moved, f"{name}: one step left the parameters of role '{role_name}' unchanged"
     metrics = as_float
     state = estimator.state_dict()
     assert isinstance(state, dict), f"{name}: state_dict must return a dict"
@@ -521,7 +328,7 @@ def _update_cosine(
     saved = copy.deepcopy(
         (
             {k: net.state_dict() for k, net in parts.networks().items()},
-            {role: opt.state_dict() for role, opt in estimator.optimizers.items()},
+            {role_name: role.state_dict() for role_name, role in parts.roles.items()},
             estimator.state_dict(),
         )
     )
@@ -535,8 +342,8 @@ def _update_cosine(
         nets, opts, state = copy.deepcopy(saved)
         for k, net in parts.networks().items():
             net.load_state_dict(nets[k])
-        for role, opt in estimator.optimizers.items():
-            opt.load_state_dict(opts[role])
+        for role_name, role in parts.roles.items():
+            role.load_state_dict(opts[role_name])
         estimator.load_state_dict(state)
     target = torch.cat([g.detach().flatten() for g in reference(parts, batch)])
     update = torch.cat([m.flatten() for m in mean])
@@ -722,14 +529,14 @@ def check_logger(logger: Any, run_dir: Path) -> None:
 
 
 def check_optimizer(optimizer: Any, param: Tensor) -> None:
-    """Assert an optimizer factory's result is a torch optimizer over ``param`` that a step through ``apply_update`` moves."""
-    from eblvm_core.optim import apply_update
+    """Assert an optimizer factory's result is a torch optimizer over ``param`` that a role's update moves."""
+    from eblvm_core.roles import TrainingRole
 
     assert isinstance(optimizer, torch.optim.Optimizer), (
         f"an optimizer factory must return a torch optimizer, got {type(optimizer).__name__}"
     )
     before = param.detach().clone()
-    norm = apply_update(optimizer, (param**2).sum())
+    norm = TrainingRole("check", optimizer).update((param**2).sum())
     assert math.isfinite(norm) and not torch.equal(before, param.detach()), "one step did not move the parameter"
 
 
@@ -756,84 +563,3 @@ def _laplace_free_energy(model: EnergyModel, v: Tensor, n: int) -> tuple[Tensor,
         w = torch.exp(log_w - log_w.max(0).values)
         se = w.std(0) / (w.mean(0) * math.sqrt(n))
     return -(torch.logsumexp(log_w, 0) - math.log(n)), se
-
-
-# ---- short runs --------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class RunResult:
-    """What a short run left: its directory, final evaluation, metrics.jsonl rows and resolved recipe."""
-
-    run_dir: Path
-    results: dict[str, float]
-    metrics: list[dict[str, Any]]
-    recipe: dict[str, Any]
-
-    def series(self, key: str) -> list[float]:
-        """Values of ``key`` (e.g. "train/loss") over the logged rows that have it."""
-        return [row[key] for row in self.metrics if key in row]
-
-
-def _read_recipe(recipe: str | Path | dict) -> dict[str, Any]:
-    if isinstance(recipe, dict):
-        return json.loads(json.dumps(recipe))  # a deep copy
-    if isinstance(recipe, str) and ("\n" in recipe or "[" in recipe):
-        return tomllib.loads(recipe)
-    with open(recipe, "rb") as fh:
-        return tomllib.load(fh)
-
-
-def run_short(
-    recipe: str | Path | dict, out: str | Path, steps: int = 5, loggers: bool = False, **overrides: Any
-) -> RunResult:
-    """Train ``steps`` steps of a recipe (TOML text, a path or a dict) with the real trainer in ``out``.
-
-    ``overrides`` set recipe values: ``estimator__inner_steps=1`` or ``**{"optim.model.lr": 1e-2}``.
-    The seed defaults to 0; loggers ([[log]], TensorBoard by default) are dropped unless
-    ``loggers``. Raises what the trainer raises (ConfigError, TrainingDiverged).
-    """
-    import tomli_w
-
-    from eblvm_core.recipe import apply_override
-    from eblvm_core.session import run
-
-    raw = _read_recipe(recipe)
-    raw.setdefault("run", {}).setdefault("seed", 0)
-    raw["run"]["steps"] = steps
-    for key, value in overrides.items():
-        apply_override(raw, f"{key.replace('__', '.')}={tomli_w.dumps({'v': value})[4:].strip()}")
-    if not loggers:
-        raw["log"] = []
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "short_run.toml"
-    path.write_text(tomli_w.dumps(raw))
-    run_dir, results = run(path, out=out / "runs", echo=lambda _line: None)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return RunResult(run_dir, results, rows, tomllib.loads((run_dir / "recipe.toml").read_text()))
-
-
-# ---- pytest fixtures (this module is the `eblvm` pytest11 plugin) --------------------------------
-
-
-@pytest.fixture
-def tiny_grbm() -> Exact:
-    """A GRBM (d=2, m=3) with its exact posterior: a linear Bernoulli q, logits c + Wᵀv/σ."""
-    return tiny_grbm_setup()
-
-
-@pytest.fixture
-def linear_gaussian() -> Exact:
-    """The linear-Gaussian EBLVM (d=3, m=2) with a linear Gaussian q set to p(h|v)."""
-    return linear_gaussian_setup()
-
-
-@pytest.fixture
-def short_run(tmp_path: Path) -> Callable[..., RunResult]:
-    """``short_run(recipe_text_or_path, steps=5, **overrides) -> RunResult`` in a temporary folder."""
-
-    def go(recipe: str | Path | dict, steps: int = 5, loggers: bool = False, **overrides: Any) -> RunResult:
-        return run_short(recipe, tmp_path / "short_run", steps, loggers, **overrides)
-
-    return go
