@@ -8,7 +8,7 @@ handed to the solvers are flat 1-D tensors.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from eblvm_core.contracts import Conditioned, EnergyModel
-from eblvm_core.optim import apply_update
 
 
 class _Call(nn.Module):
@@ -72,6 +71,10 @@ class Functional:
     def method(self, params: dict[str, Tensor], name: str, *args: Any, **kwargs: Any) -> Any:
         """``module.<name>(*args)`` under ``params``."""
         return self.call(params, getattr(self.module, name), *args, **kwargs)
+
+
+if TYPE_CHECKING:
+    from eblvm_core.roles import TrainingRole
 
 
 def trainable(module: nn.Module) -> dict[str, Tensor]:
@@ -274,13 +277,13 @@ def fit_posterior(
     divergence: Any,
     model: EnergyModel | Conditioned,
     posterior: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    role: TrainingRole,
     x: Tensor,
     steps: int,
     weights: Tensor | None = None,
 ) -> dict[str, float]:
-    """``steps`` real updates of φ on the lower level G = mean w·D(q(h|x) ‖ p(h|x)) (``weights`` w
-    (B,), None: all 1); θ is not touched.
+    """``steps`` real updates of φ (the posterior's ``role``) on the lower level G = mean
+    w·D(q(h|x) ‖ p(h|x)) (``weights`` w (B,), None: all 1); θ is not touched.
 
     The divergence gets ``condition_on(model, x, graph=False)``: a model that conditions has its
     features of x computed once for all the steps, outside the graph (θ gets no gradient here);
@@ -291,5 +294,5 @@ def fit_posterior(
     energy = condition_on(model, x, graph=False) if steps else model
     for _ in range(steps):
         lower = weighted_mean(divergence(energy, posterior, x), weights)
-        apply_update(optimizer, lower)
+        role.update(lower)
     return {} if lower is None else {"lower_loss": lower.detach()}

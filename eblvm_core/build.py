@@ -1,10 +1,12 @@
-"""Recipe -> live parts, in the order of ``registry.KINDS``; then the optimizers by role, the
-estimator, schedules, evaluators and loggers. Every check that can fail before training
+"""Recipe -> live parts, in the order of ``registry.KINDS`` (the device settled once the data and
+the networks are made); then the roles, the estimator and the evaluators; the loggers once a run
+directory exists. Every check that can fail before training
 happens here, so ``eblvm validate`` (a dry build) rejects what ``eblvm run`` would."""
 
 from __future__ import annotations
 
 import importlib.util
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,18 +19,29 @@ from torch import Tensor, nn
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError, DataError
-from eblvm_core.graphs import graph_refusal
+from eblvm_core.graphs import recipe_graph_refusal
+from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, Role, Section, load_recipe, read, validate
-from eblvm_core.registry import did_you_mean
+from eblvm_core.registry import Entry, did_you_mean
+from eblvm_core.roles import Precision, TrainingRole
 from eblvm_core.spec import is_spec, load_spec
 
 
-@attrs.define
+@attrs.frozen
 class Built:
+    """A recipe's live parts on their device: the parts (networks, data, estimator...), the roles
+    the estimator trains, the evaluators, the precision of the training steps, and, when
+    ``device = "auto"`` chose the CPU over a GPU it found, why (``cpu_because``)."""
+
     parts: Parts
+    roles: dict[str, TrainingRole]
     evaluators: list[tuple[str, Callable[[Parts], EvalResult]]]
-    loggers: list[Logger]
-    schedules: dict[str, Schedule] = attrs.field(factory=dict)
+    precision: Precision
+    cpu_because: str | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts.device
 
 
 # device = "auto" trains on the GPU from this many trainable parameters (all roles together), and
@@ -42,8 +55,8 @@ AUTO_GPU_MIN_PARAMETERS = 100_000
 
 def pick_device(choice: str) -> torch.device:
     """The torch device of ``[run] device``; a ConfigError when it is not available here.
-    "auto" gives CUDA when there is one (the trainer then keeps small models whose step cannot
-    be graph-replayed on the CPU: ``auto_on_cpu``)."""
+    "auto" gives CUDA when there is one (``build`` then keeps small models whose step will not be
+    graph-replayed on the CPU: ``auto_on_cpu``)."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice.startswith("cuda"):
@@ -59,23 +72,35 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def prefers_cpu(parts: Parts) -> int | None:
-    """The trainable parameter count when it is below AUTO_GPU_MIN_PARAMETERS (the CPU is then
-    faster than a GPU launching the step's kernels one by one), else None."""
-    count = sum(p.numel() for net in parts.networks().values() for p in net.parameters() if p.requires_grad)
+def prefers_cpu(networks: dict[str, nn.Module]) -> int | None:
+    """The trainable parameter count of ``networks`` when it is below AUTO_GPU_MIN_PARAMETERS (the
+    CPU is then faster than a GPU launching the step's kernels one by one), else None."""
+    count = sum(p.numel() for net in networks.values() for p in net.parameters() if p.requires_grad)
     return count if count < AUTO_GPU_MIN_PARAMETERS else None
 
 
-def auto_on_cpu(built: Built, recipe: Recipe, device: torch.device) -> str | None:
-    """Why ``device = "auto"`` should train this run on the CPU instead of the GPU it found, or
-    None to keep the GPU (``device``): a small model (``prefers_cpu``) whose step cannot be
-    replayed from a CUDA graph. A replayed step beats one CPU thread at every size measured
-    (docs/benchmarks.md)."""
-    count = prefers_cpu(built.parts)
+def declared_graph_safe(entry: Entry) -> bool:
+    """Whether the estimator an estimator factory returns declares its step graph-safe, read from
+    the factory's return annotation (an ``Estimator`` subclass) before anything is built; False
+    when the factory does not say what it returns."""
+    try:
+        returned = typing.get_type_hints(entry.factory).get("return")
+    except Exception:  # an annotation that does not resolve: unknown
+        return False
+    return isinstance(returned, type) and bool(getattr(returned, "graph_safe", False))
+
+
+def auto_on_cpu(recipe: Recipe, networks: dict[str, nn.Module], precision: Precision) -> str | None:
+    """Why ``device = "auto"`` should train this run on the CPU instead of a GPU it found, or None
+    to keep the GPU: a small model (``prefers_cpu``) whose step will not be replayed from a CUDA
+    graph (``graphs.recipe_graph_refusal``). A replayed step beats one CPU thread at every size
+    measured (docs/benchmarks.md). Decided once the networks are made, before anything is placed."""
+    count = prefers_cpu(networks)
     if count is None:
         return None
-    run = recipe.run
-    refusal = graph_refusal(built.parts.estimator, built.schedules, device, 1, run.precision, run.cuda_graph)
+    kinds = {name: role.optimizer.kind for name, role in recipe.optim.items()}
+    graph_safe = declared_graph_safe(recipe.parts["estimator"].entry)
+    refusal = recipe_graph_refusal(recipe.run.cuda_graph, precision, graph_safe, kinds)
     if refusal is None:
         return None
     return f"{count:,} trainable parameters, too few for the GPU to pay without a CUDA graph ({refusal})"
@@ -170,25 +195,25 @@ def _place(data: DataSplits, device: torch.device, dtype: torch.dtype) -> DataSp
     return attrs.evolve(data, train=move(data.train), test=move(data.test), val=move(data.val))
 
 
-def _optimizer_factory(role: Role, recipe: Recipe, device: torch.device) -> Callable[[Any], torch.optim.Optimizer]:
-    def make(params: Any) -> torch.optim.Optimizer:
+def _role_factory(name: str, role: Role, schedule: Schedule, precision: Precision) -> Callable[[Any], TrainingRole]:
+    """params -> the TrainingRole of [optim.<name>]: its optimizer, schedule, clipping (the
+    optimizer config's ``max_grad_norm``, where it has one), scaler (fp16) and EMA."""
+
+    def make(params: Any) -> TrainingRole:
         optimizer = _make(role.optimizer, params)
-        optimizer.base_lrs = [group["lr"] for group in optimizer.param_groups]  # type: ignore[attr-defined]
-        if recipe.run.precision == "fp16":
-            optimizer.grad_scaler = torch.amp.GradScaler(device.type)  # type: ignore[attr-defined]
-        return optimizer
+        clip = getattr(role.optimizer.config, "max_grad_norm", None)
+        return TrainingRole(name, optimizer, schedule, clip, precision.scaler(), role.ema)
 
     return make
 
 
-def _check_roles(recipe: Recipe, estimator: Any, missing: list[str]) -> None:
+def _check_roles(recipe: Recipe, estimator: Any, made: dict[str, TrainingRole], missing: list[str]) -> None:
     """The recipe's [optim.<role>] sections are exactly the estimator's roles: unknown ones first
     (a misspelling is both unknown and missing), then missing ones."""
     kind = recipe.parts["estimator"].kind
     roles = tuple(getattr(estimator, "roles", ()))
-    made = tuple(getattr(estimator, "optimizers", {}))
     if sorted(roles) != sorted(made):
-        raise TypeError(f"estimator '{kind}' declares roles {roles} but made optimizers for {made}")
+        raise TypeError(f"estimator '{kind}' declares roles {roles} but made {tuple(made)} (parts.make_role)")
     for name in recipe.optim:
         if name not in roles:
             hint = did_you_mean(name, missing) or did_you_mean(name, list(roles))
@@ -235,40 +260,57 @@ def _check_select_metric(recipe: Recipe, evaluators: list[tuple[str, Any]]) -> N
         )
 
 
-def build(recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry_run: bool = False) -> Built:
-    """Build every part of the recipe but the loggers; ConfigErrors carry the recipe's file name.
+NETWORKS_AND_DATA = ("data", "model", "posterior", "generator")  # the sections made before the device is settled
 
-    ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in for
-    absent files (``Parts.warn`` says so).
+
+def build(
+    recipe: Recipe, device: torch.device, run_dir: Path | None = None, dry_run: bool = False, auto: bool = False
+) -> Built:
+    """Build every part of the recipe on ``device``; ConfigErrors carry the recipe's file name.
+
+    The data and the networks are made first, then placed on the device; with ``auto`` (``[run]
+    device = "auto"`` in one process) a small model whose step would not be replayed from a CUDA
+    graph is placed on the CPU instead of the GPU ``device`` (``Built.cpu_because`` says why). Then
+    the other parts, the roles' schedules, the estimator (which makes the roles) and the
+    evaluators. ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in
+    for absent files (``Parts.warn`` says so).
     """
     dtype = getattr(torch, recipe.run.dtype)
     parts = Parts(device=device, dtype=dtype, run_dir=run_dir, dry_run=dry_run)
+    parts.registries = load().registries
     parts.strict_roles = True
     parts.batch_size = recipe.run.batch_size
+    cpu_because = None
     try:
         pick_device(recipe.run.device)
-        for label, section in recipe.parts.items():
-            if label == "estimator":
-                continue
-            part = _make(section, parts)
+        sections = [(label, s) for label, s in recipe.parts.items() if label != "estimator"]
+        for label, section in sections:
+            if label in NETWORKS_AND_DATA:
+                setattr(parts, label, _make(section, parts))
+        if auto and device.type == "cuda":
+            cpu_because = auto_on_cpu(recipe, parts.networks(), Precision(recipe.run.precision, device.type))
+            if cpu_because is not None:
+                parts.device = device = torch.device("cpu")
+        for label, section in sections:
+            part = getattr(parts, label) if label in NETWORKS_AND_DATA else _make(section, parts)
             if isinstance(part, DataSplits):
                 part = _place(part, device, dtype)
             elif isinstance(part, nn.Module):
                 part = part.to(device, dtype)
             setattr(parts, label, part)
+        precision = Precision(recipe.run.precision, device.type)
         for name, role in recipe.optim.items():
-            parts.optimizer_factories[name] = _optimizer_factory(role, recipe, device)
+            parts.role_factories[name] = _role_factory(name, role, _make(role.schedule, parts), precision)
         estimator = _make(recipe.parts["estimator"], parts)
-        _check_roles(recipe, estimator, parts.missing_roles)
+        _check_roles(recipe, estimator, parts.roles, parts.missing_roles)
         _check_precision(recipe, estimator)
         parts.estimator = estimator
-        schedules = {name: _make(role.schedule, parts) for name, role in recipe.optim.items()}
         evaluators = [(s.kind, _make(s, parts)) for s in recipe.evals]
         _check_select_metric(recipe, evaluators)
     except ConfigError as exc:
         exc.file = exc.file or recipe.path
         raise
-    return Built(parts, evaluators, [], schedules)
+    return Built(parts, dict(parts.roles), evaluators, precision, cpu_because)
 
 
 def check_loggers(recipe: Recipe) -> None:

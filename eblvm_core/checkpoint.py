@@ -26,7 +26,8 @@ import torch
 from eblvm_core.errors import CheckpointError
 from eblvm_core.recipe import Recipe, differences, training_part
 
-CHECKPOINT_FORMAT = 3  # 3: a checksum and the training part of the recipe; 2 (neither) still loads
+CHECKPOINT_FORMAT = 4  # 4: each role's state under "roles"; 3 (side by side) and 2 (no checksum, no recipe) still load
+READABLE_FORMATS = (2, 3, 4)
 
 
 def save_atomic(obj: Any, path: str | Path) -> None:
@@ -100,9 +101,10 @@ def _unreadable(exc: BaseException) -> str:
     return f"not an eblvm checkpoint (unreadable as a torch file: {type(exc).__name__})"
 
 
-def read_checkpoint(path: str | Path, map_location: Any = "cpu", format: int | None = None) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """Load and verify a checkpoint; CheckpointError (``file: what is wrong``) when it is missing,
-    empty, truncated, unreadable, not a checkpoint dict, of another ``format`` or its checksum differs."""
+    empty, truncated, unreadable, not a checkpoint dict, of a format this eblvm cannot read, or its
+    checksum differs. Older formats come in the layout of today's (``by_role``)."""
     path = Path(path)
     file = str(path)
     if not path.is_file():
@@ -116,13 +118,32 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu", format: int | N
     if not isinstance(state, dict) or "format" not in state:
         what = f"a bare {type(state).__name__}" if not isinstance(state, dict) else "a dict without 'format'"
         raise CheckpointError(file, f"not an eblvm checkpoint: it holds {what}")
-    if format is not None and state["format"] not in (format, 2):
-        raise CheckpointError(file, f"checkpoint format {state['format']!r} is not {format}: written by another eblvm")
+    if state["format"] not in READABLE_FORMATS:
+        raise CheckpointError(
+            file, f"checkpoint format {state['format']!r} is not one of {READABLE_FORMATS}: written by another eblvm"
+        )
     if "checksum" in state:
         if state["checksum"] != checksum(state):
             raise CheckpointError(file, "checksum mismatch: the file was changed or damaged after it was written")
     elif state["format"] != 2:
         raise CheckpointError(file, "no checksum: the file is incomplete or was not written by eblvm")
+    return by_role(state)
+
+
+def by_role(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of format 2 or 3 (each role's optimizer, gradient scaler and parameter average
+    kept side by side under "optimizers", "scalers" and "ema") in the layout of format 4: one
+    ``TrainingRole.state_dict`` per role under "roles". Format 4 is returned as it is."""
+    if "roles" in state or "optimizers" not in state:
+        return state
+    state = dict(state)
+    optimizers, scalers, averages = state.pop("optimizers"), state.pop("scalers", {}), state.pop("ema", {})
+    state["roles"] = {
+        role: {"optimizer": optimizer}
+        | ({"scaler": scalers[role]} if role in scalers else {})
+        | ({"ema": averages[role]} if role in averages else {})
+        for role, optimizer in optimizers.items()
+    }
     return state
 
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 import torch
 from torch import Tensor, nn
 
-from eblvm_core.registry import SECTION_KINDS
+from eblvm_core.registry import SECTION_KINDS, Registry
+from eblvm_core.roles import TrainingRole
 
 ScoreField = Callable[[Tensor], Tensor]
 """A callable x (B, *event_shape) -> estimate of ∇_x log p(x), shaped like x, differentiable in x and θ."""
@@ -250,28 +251,27 @@ class Divergence:
 class Estimator:
     """A learning algorithm: one call to ``step`` consumes one batch and updates parameters.
 
-    ``roles`` names the optimizers it trains, one per role (``model``, ``posterior``; BiDVL:
+    ``roles`` names the sets of parameters it trains (``model``, ``posterior``; BiDVL:
     ``energy``, ``encoder``, ``generator``); the recipe gives ``[optim.<role>]`` for each, no
-    more and no fewer. The estimator makes each with ``parts.make_optimizer(role, params)`` and
-    keeps it in ``optimizers[role]``; the trainer checkpoints, restores, NaN-checks, schedules
-    and logs every role the same way (``lr/<role>``, ``grad_norm/<role>``). ``precisions``
-    lists the ``[run] precision`` values it supports (fp32 only unless a test shows more is
-    safe). ``step`` returns metrics as floats or 0-d tensors (tensors avoid a host
-    synchronisation per step); the key ``loss`` is the training loss the trainer watches for
-    NaN/Inf. Extra state to checkpoint (persistent chains, counters) goes through
-    ``state_dict`` / ``load_state_dict``. ``graph_safe`` declares that on a GPU the step may be
-    captured once in a CUDA graph and replayed (``eblvm_core.graphs``): it launches the same
-    kernels on same-shaped tensors every step, never reads a device value on the host, returns
-    only tensors, and changes its state (parameters, optimizer moments, buffers) in place.
+    more and no fewer. The estimator makes each with ``parts.make_role(role, params)``, a
+    ``TrainingRole`` whose ``update(loss)`` is the one way its parameters change; the trainer
+    checkpoints, restores, NaN-checks, schedules, averages and logs every role the same way
+    (``lr/<role>``, ``grad_norm/<role>``). ``precisions`` lists the ``[run] precision`` values it
+    supports (fp32 only unless a test shows more is safe). ``step`` returns metrics as floats or
+    0-d tensors (tensors avoid a host synchronisation per step); the key ``loss`` is the training
+    loss the trainer watches for NaN/Inf. Extra state to checkpoint (persistent chains, counters)
+    goes through ``state_dict`` / ``load_state_dict``. ``graph_safe`` declares that on a GPU the
+    step may be captured once in a CUDA graph and replayed (``eblvm_core.graphs``): it launches
+    the same kernels on same-shaped tensors every step, never reads a device value on the host,
+    returns only tensors, and changes its state (parameters, optimizer moments, buffers) in place.
     """
 
     roles: tuple[str, ...] = ("model",)
     precisions: tuple[str, ...] = ("fp32",)
     graph_safe: bool = False
-    optimizers: dict[str, torch.optim.Optimizer] = {}
 
     def step(self, batch: Tensor) -> dict[str, float | Tensor]:
-        """batch (B, *event_shape) -> metrics; updates parameters through ``eblvm_core.optim.apply_update``."""
+        """batch (B, *event_shape) -> metrics; updates parameters through its roles' ``update``."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -469,16 +469,19 @@ class Parts:
 
     The part of recipe section ``[name]`` is ``parts.name`` (None when the recipe has no such
     section); ``parts.need(name, section)`` returns it or raises the ConfigError that names the
-    section that needed it. ``optimizer_factories`` maps a role to a factory params -> optimizer
-    (the recipe's ``[optim.<role>]``); ``dry_run`` is true while ``eblvm validate`` builds the
-    recipe (no training: a data set whose files are absent may return ``DataSplits.stand_in``
-    after ``warn``-ing).
+    section that needed it. ``role_factories`` maps a role to a factory params -> TrainingRole
+    (the builder makes one per ``[optim.<role>]``); parts built by hand may give
+    ``optimizer_factories`` (params -> torch optimizer) instead; ``roles`` holds the roles made so
+    far by ``make_role``.
+    ``dry_run`` is true while ``eblvm validate`` builds the recipe (no training: a data set whose
+    files are absent may return ``DataSplits.stand_in`` after ``warn``-ing).
     """
 
     def __init__(
         self,
         device: torch.device = torch.device("cpu"),
         dtype: torch.dtype = torch.float32,
+        role_factories: dict[str, Callable[..., TrainingRole]] | None = None,
         optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
         run_dir: Any = None,
         dry_run: bool = False,
@@ -488,7 +491,10 @@ class Parts:
         if unknown:
             raise TypeError(f"Parts has no section {sorted(unknown)}; sections: {sorted(SECTION_KINDS)}")
         self.device, self.dtype, self.run_dir, self.dry_run = device, dtype, run_dir, dry_run
+        self.role_factories = dict(role_factories or {})
         self.optimizer_factories = dict(optimizer_factories or {})
+        self.registries: Mapping[str, Registry] | None = None  # handed in by the builder
+        self.roles: dict[str, TrainingRole] = {}
         self.strict_roles = False  # set by the builder: a role without [optim.<role>] is then an error
         self.batch_size: int | None = None  # set by the builder: [run] batch_size, the global batch
         self.missing_roles: list[str] = []
@@ -507,9 +513,12 @@ class Parts:
             object.__setattr__(self, name, value)
 
     def evolve(self, **changes: Any) -> Parts:
-        """A shallow copy with some parts replaced (e.g. a private copy of the posterior)."""
+        """A shallow copy with some parts replaced (e.g. a private copy of the posterior), whose
+        ``make_role`` makes roles of its own (from the same factories)."""
         other = copy.copy(self)
         object.__setattr__(other, "components", {**self.components})
+        object.__setattr__(other, "roles", {})
+        object.__setattr__(other, "missing_roles", [])
         for name, value in changes.items():
             setattr(other, name, value)
         return other
@@ -518,18 +527,32 @@ class Parts:
         """The trainable networks by section (model, posterior, generator...): what checkpoints hold."""
         return {name: part for name, part in self.components.items() if isinstance(part, nn.Module)}
 
-    def make_optimizer(self, role: str, params: Any) -> torch.optim.Optimizer:
-        """The optimizer of recipe section [optim.<role>] over ``params``.
+    def make_role(self, role: str, params: Any) -> TrainingRole:
+        """The ``TrainingRole`` of recipe section [optim.<role>] over ``params``; ``roles[role]``
+        holds the last one made.
 
-        A role without a factory gets Adam at 1e-3: outside a recipe (parts built by hand) that
+        A role with neither factory gets Adam at 1e-3: outside a recipe (parts built by hand) that
         is the default; in a recipe (``strict_roles``) the builder then reports the missing section.
         """
-        factory = self.optimizer_factories.get(role)
-        if factory is not None:
-            return factory(params)
-        if self.strict_roles:
-            self.missing_roles.append(role)
-        return torch.optim.Adam(params, lr=1e-3)
+        if role in self.role_factories:
+            made = self.role_factories[role](params)
+        else:
+            if self.strict_roles:
+                self.missing_roles.append(role)
+            make_optimizer = self.optimizer_factories.get(role, lambda p: torch.optim.Adam(p, lr=1e-3))
+            made = TrainingRole(role, make_optimizer(params))
+        self.roles[role] = made
+        return made
+
+    def registry(self, kind: str) -> Registry:
+        """The registry of ``kind`` ("samplers", "datasets", ...) the run is built from, for a
+        component that builds another registered component by name (a sample grid's sampler);
+        parts built by hand get the installed plugins'."""
+        if self.registries is None:
+            from eblvm_core.plugins import load
+
+            self.registries = load().registries
+        return self.registries[kind]
 
     def need(self, name: str, section: str, key: str = "kind") -> Any:
         """The part ``name`` or a ConfigError naming the section that needed it."""

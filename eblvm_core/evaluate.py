@@ -179,13 +179,13 @@ def load_run(
         recipe = with_run(recipe, device=device)
     path = resolve_checkpoint(run_dir, checkpoint)
     torch_device = pick_device(recipe.run.device)
-    state = ckpt.read_checkpoint(path, map_location=torch_device, format=ckpt.CHECKPOINT_FORMAT)
+    state = ckpt.read_checkpoint(path, map_location=torch_device)
     ckpt.check_checkpoint_recipe(state, original, path)
     built = build(recipe, torch_device)
     set_threads(recipe.run.threads, torch_device, built.parts)
-    restored = RunState(recipe, built, run_dir)
+    restored = RunState(recipe, built)
     restored.restore(state, training=False, source=path)
-    restored.use_ema()
+    restored.use_averages()
     for net in built.parts.networks().values():
         net.eval()  # as training evaluates: batch norm's running statistics, no power iteration
     ckpt.seed_everything(seed)

@@ -21,61 +21,82 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from eblvm_core.contracts import Estimator, Schedule
 from eblvm_core.optim import RateTensors
+from eblvm_core.roles import Precision, TrainingRole
 
 WARMUP_STEPS = 3
 Step = Callable[[Tensor], dict[str, Tensor]]
 
 
 def graph_refusal(
-    estimator: Estimator,
-    schedules: Mapping[str, Schedule],
+    graph_safe: bool,
+    roles: Mapping[str, TrainingRole],
     device: torch.device,
     world: int,
-    precision: str,
+    precision: Precision,
     enabled: bool = True,
 ) -> str | None:
-    """Why the training step cannot be captured in a CUDA graph, or None when it can;
-    ``enabled`` is the recipe's [run] cuda_graph. A scheduled rate is read from a device tensor
-    (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD kernels read a
-    tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd`` makes it so).
-    A bf16 step is captured with its autocast casts (the trainer's region keeps no cache of them,
-    ``trainer.step_precision``), so each replay casts the weights of that step."""
+    """Why a training step cannot be captured in a CUDA graph, or None when it can: ``graph_safe``
+    is the estimator's declaration, ``roles`` what it trains. A scheduled rate is read from a device
+    tensor (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD kernels
+    read a tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd``
+    makes it so). A bf16 step is captured with its autocast casts (``Precision.autocast`` keeps no
+    cache of them), so each replay casts the weights of that step. ``enabled`` is the recipe's
+    ``[run] cuda_graph``."""
     if not enabled:
         return "[run] cuda_graph = false"
     if device.type != "cuda":
         return f"the run is on {device.type}, not a CUDA device"
     if world > 1:
         return "several processes train together (their collectives are not captured)"
-    if precision == "fp16":
-        return "precision fp16 scales the loss with a GradScaler, which reads its check for inf on the host"
-    if not estimator.graph_safe:
-        return f"the estimator ({type(estimator).__name__}) does not declare its step graph-safe"
-    for role, optimizer in estimator.optimizers.items():
-        schedule = schedules.get(role)
-        scheduled = schedule is not None and not schedule.constant
+    refusal = precision.graph_refusal()
+    if refusal is not None:
+        return refusal
+    if not graph_safe:
+        return "the estimator does not declare its step graph-safe"
+    for name, role in roles.items():
+        optimizer = role.optimizer
         fused = all(group.get("fused") for group in optimizer.param_groups)
         if isinstance(optimizer, torch.optim.Adam):
             if not fused:
-                return f"the Adam of role '{role}' is not the fused one"
+                return f"the Adam of role '{name}' is not the fused one"
         elif isinstance(optimizer, torch.optim.SGD):
-            if scheduled and not fused:
+            if role.scheduled and not fused:
                 return (
-                    f"the learning rate of role '{role}' follows a schedule and its SGD is not the fused one "
+                    f"the learning rate of role '{name}' follows a schedule and its SGD is not the fused one "
                     "(torch's other SGD kernels read a rate tensor on the host)"
                 )
         else:
-            return f"the optimizer of role '{role}' ({type(optimizer).__name__}) is not known to be capturable"
+            return f"the optimizer of role '{name}' ({type(optimizer).__name__}) is not known to be capturable"
     return None
 
 
-def scheduled_rates(
-    optimizers: Mapping[str, torch.optim.Optimizer], schedules: Mapping[str, Schedule]
-) -> RateTensors | None:
+CAPTURABLE_OPTIMIZERS = ("adam", "sgd")  # the bundled optimizers, fused (so capturable) on a CUDA device
+
+
+def recipe_graph_refusal(
+    cuda_graph: bool, precision: Precision, graph_safe: bool, optimizers: Mapping[str, str]
+) -> str | None:
+    """What ``graph_refusal`` will say on a CUDA device in one process, read before anything is
+    built: from ``[run] cuda_graph``, the precision, the estimator's declaration and each role's
+    optimizer kind (by role); None when the step will be captured."""
+    if not cuda_graph:
+        return "[run] cuda_graph = false"
+    refusal = precision.graph_refusal()
+    if refusal is not None:
+        return refusal
+    if not graph_safe:
+        return "the estimator does not declare its step graph-safe"
+    for name, kind in optimizers.items():
+        if kind not in CAPTURABLE_OPTIMIZERS:
+            return f"the optimizer of role '{name}' ({kind}) is not known to be capturable"
+    return None
+
+
+def scheduled_rates(roles: Mapping[str, TrainingRole]) -> RateTensors | None:
     """Rate tensors for the roles whose learning rate follows a schedule, or None when none does."""
-    roles = [role for role in optimizers if role in schedules and not schedules[role].constant]
-    return RateTensors(optimizers[role] for role in roles) if roles else None
+    scheduled = [role.optimizer for role in roles.values() if role.scheduled]
+    return RateTensors(scheduled) if scheduled else None
 
 
 class GraphedStep:
@@ -92,11 +113,11 @@ class GraphedStep:
     def __init__(
         self,
         step: Step,
-        optimizers: Mapping[str, torch.optim.Optimizer],
+        roles: Mapping[str, TrainingRole],
         report: Callable[[str], None] = print,
         rates: RateTensors | None = None,
     ):
-        self.step, self.optimizers, self.report, self.rates = step, optimizers, report, rates
+        self.step, self.roles, self.report, self.rates = step, roles, report, rates
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static_batch: Tensor | None = None
@@ -139,7 +160,7 @@ class GraphedStep:
 
     def _capture(self, batch: Tensor) -> dict[str, Tensor]:
         """Capture the step on a static copy of ``batch``, then replay it once for this batch."""
-        adams = [opt for opt in self.optimizers.values() if isinstance(opt, torch.optim.Adam)]
+        adams = [role.optimizer for role in self.roles.values() if isinstance(role.optimizer, torch.optim.Adam)]
         saved = [[group["capturable"] for group in opt.param_groups] for opt in adams]
         self.static_batch = batch.clone()
         graph = torch.cuda.CUDAGraph()

@@ -22,8 +22,6 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import (
-    Built,
-    auto_on_cpu,
     build,
     build_loggers,
     check_loggers,
@@ -32,6 +30,8 @@ from eblvm_core.build import (
     set_threads,
     subnormals_flushed,
 )
+from eblvm_core.context import RunContext, quiet
+from eblvm_core.contracts import Logger
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
 from eblvm_core.launch import resume_command
 from eblvm_core.recipe import Recipe, apply_override, check_unchanged, load_recipe, validate, with_run
@@ -47,6 +47,7 @@ from eblvm_core.rundir import (
     new_run_dir,
     write_recipe,
 )
+from eblvm_core.state import RunState
 from eblvm_core.trainer import Trainer
 
 DICT_RECIPE = "<recipe dict>"  # what errors name as the file of a recipe given as data
@@ -198,41 +199,36 @@ def _train(
     checkpoint loaded and fitted."""
     rank, world = distributed.rank(), distributed.world_size()
     if rank:
-        echo = lambda _message: None  # noqa: E731
+        echo = quiet
     if world > 1 and resume is None:
         recipe = with_run(recipe, seed=distributed.broadcast_object(recipe.run.seed))
     locks: list[RunLock] = []
     try:
-        state = None
+        checkpoint = None
         if resume is not None:
             run_dir = Path(resume)
-            state, finished = _checked_resume(recipe, run_dir, device, locks)
+            checkpoint, finished = _checked_resume(recipe, run_dir, device, locks)
             if finished is not None:
                 echo(finished)
                 return run_dir, {}
         ckpt.seed_everything(recipe.run.seed)
-        built = build(recipe, device)
-        why_cpu = auto_on_cpu(built, recipe, device) if recipe.run.device == "auto" and device.type == "cuda" else None
-        if why_cpu is not None and not torch.distributed.is_initialized():  # torchrun keeps its GPUs
-            echo(f"device auto: {why_cpu}; training on the CPU")
-            device = torch.device("cpu")
-            state = ckpt.to_device(state, device)
-            ckpt.seed_everything(recipe.run.seed)
-            built = build(recipe, device)
-        threads = set_threads(recipe.run.threads, device, built.parts)
-        trainer = Trainer(recipe, built, Path(resume or "."), echo)
+        built = build(recipe, device, auto=recipe.run.device == "auto" and world == 1)
+        if built.cpu_because is not None:
+            echo(f"device auto: {built.cpu_because}; training on the CPU")
+            checkpoint = ckpt.to_device(checkpoint, built.device)
+        threads = set_threads(recipe.run.threads, built.device, built.parts)
+        state = RunState(recipe, built, rank, world)
         if rank:
             ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
-        if state is not None:
-            trainer.restore(state, source=ckpt.last_checkpoint(resume))
-            del state
+        if checkpoint is not None:
+            state.restore(checkpoint, source=ckpt.last_checkpoint(resume))
+            del checkpoint
         if resume is None:
             run_dir = Path(_on_rank0(lambda: _new_run_dir(out, recipe.run.name, locks)))
         if rank == 0:
             announce_run_dir(run_dir)
-        trainer.run_dir = run_dir
-        with subnormals_flushed(device), cudnn_autotuned(device, recipe.run.cudnn_benchmark):
-            return _fit(recipe, trainer, built, run_dir, device, threads, resume, echo, signals, command)
+        with subnormals_flushed(built.device), cudnn_autotuned(built.device, recipe.run.cudnn_benchmark):
+            return _fit(recipe, state, run_dir, threads, resume, echo, signals, command)
     finally:
         for lock in locks:
             lock.release()
@@ -255,7 +251,7 @@ def _checked_resume(
         ckpt.remove_stale_temporaries(run_dir)
         if not path.exists():
             return None, False, 0
-        loaded["state"] = ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
+        loaded["state"] = ckpt.read_checkpoint(path, map_location=device)
         ckpt.check_checkpoint_recipe(loaded["state"], recipe, path)
         return int(loaded["state"]["step"]), Provenance(run_dir).finished, int(loaded["state"].get("stale", 0))
 
@@ -276,7 +272,7 @@ def _checked_resume(
             f"[run] patience = {patience}: nothing to do (continue it with a larger -o run.patience=N; "
             "evaluate it with eblvm eval)"
         )
-    state = loaded.get("state") or ckpt.read_checkpoint(path, map_location=device, format=ckpt.CHECKPOINT_FORMAT)
+    state = loaded.get("state") or ckpt.read_checkpoint(path, map_location=device)
     return state, None
 
 
@@ -290,34 +286,33 @@ def _new_run_dir(out: str | Path, name: str, locks: list[RunLock]) -> Path:
 
 def _fit(
     recipe: Recipe,
-    trainer: Trainer,
-    built: Built,
+    state: RunState,
     run_dir: Path,
-    device: torch.device,
     threads: int,
     resume: str | Path | None,
     echo: Callable[[str], None],
     signals: Signals,
     command: str | None = None,
 ) -> tuple[Path, dict[str, float]]:
-    """Write the run directory's recipe, provenance and log (rank 0), train, and record how it
-    ended: "finished", "stopped early" ([run] patience), "diverged", "interrupted" or "failed"."""
-    rank, world = trainer.rank, trainer.world
-    log = RunLog(run_dir, echo) if rank == 0 else echo
+    """Write the run directory's recipe, provenance and log and make the loggers (rank 0), then
+    the run's context and its trainer; train, and record how it ended: "finished", "stopped early"
+    ([run] patience), "diverged", "interrupted" or "failed"."""
+    rank, world, device = state.rank, state.world, state.parts.device
     provenance = Provenance(run_dir) if rank == 0 else None
+    loggers: list[Logger] = []
     status = "failed"
     try:
         try:
             if rank == 0:
                 write_recipe(recipe, run_dir)
                 if resume is not None:  # the final evaluation runs again at the end, or at once if it stopped early
-                    final_pending = trainer.step == recipe.run.steps or trainer.out_of_patience()
-                    clean_metrics(run_dir, trainer.step, final_pending)
-                provenance.start(str(device), world, trainer.step, threads, command)
-                built.loggers = build_loggers(recipe, run_dir)
+                    final_pending = state.step == recipe.run.steps or state.out_of_patience()
+                    clean_metrics(run_dir, state.step, final_pending)
+                provenance.start(str(device), world, state.step, threads, command)
+                loggers = build_loggers(recipe, run_dir)
                 if resume is not None:
-                    for logger in built.loggers:
-                        logger.resume(trainer.step)
+                    for logger in loggers:
+                        logger.resume(state.step)
         except BaseException as exc:
             if resume is None and rank == 0:
                 shutil.rmtree(run_dir, ignore_errors=True)  # a run that could not start leaves nothing
@@ -326,13 +321,15 @@ def _fit(
             if isinstance(exc, OSError):
                 raise FileSystemError(f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}") from None
             raise
-        trainer.echo = log
-        for warning in built.parts.warnings:
+        log = RunLog(run_dir, echo) if rank == 0 else quiet
+        context = RunContext(run_dir, device, threads, log, tuple(loggers), rank, world)
+        trainer = Trainer(recipe, state, context)
+        for warning in state.parts.warnings:
             log(f"warning: {warning}")
-        if resume is not None and trainer.last_saved is None:
+        if resume is not None and state.last_saved is None:
             log(f"resuming {run_dir} at step 0: no checkpoint had been written, so it starts again")
         elif resume is not None:
-            log(f"resuming {run_dir} at step {trainer.step}")
+            log(f"resuming {run_dir} at step {state.step}")
         else:
             threads_said = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" or world > 1 else ""
             processes = f" per process, {world} processes" if world > 1 else ""
@@ -342,16 +339,16 @@ def _fit(
             results = trainer.fit()
         except KeyboardInterrupt:
             since = (
-                f"{trainer.last_saved[1]} holds step {trainer.last_saved[0]}"
-                if trainer.last_saved
+                f"{state.last_saved[1]} holds step {state.last_saved[0]}"
+                if state.last_saved
                 else "no checkpoint had been written, so it starts again from step 0"
             )
             raise Interrupted(
-                f"interrupted at step {trainer.step}; resume with: {resume_command(run_dir, world)} ({since})"
+                f"interrupted at step {state.step}; resume with: {resume_command(run_dir, world)} ({since})"
             ) from None
         except OSError as exc:
             raise FileSystemError(
-                f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}; {_kept(trainer)}"
+                f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}; {_kept(state)}"
             ) from None
         finally:
             signals.done()
@@ -359,7 +356,7 @@ def _fit(
         if rank == 0:
             for key, value in results.items():
                 log.write(f"{key.removeprefix('eval/')}: {value:.6g}")
-            for logger in built.loggers:
+            for logger in loggers:
                 if hasattr(logger, "log_hparams"):
                     logger.log_hparams(hyperparameters(recipe), results)
         return run_dir, results
@@ -370,18 +367,18 @@ def _fit(
             status = "interrupted"
         if rank == 0 and isinstance(exc, EblvmError):
             with contextlib.suppress(OSError):
-                log.write(f"error: {exc}")
+                RunLog(run_dir, quiet).write(f"error: {exc}")
         raise
     finally:
-        for logger in built.loggers:
+        for logger in loggers:
             with contextlib.suppress(Exception):
                 logger.close()
         if provenance is not None:
             with contextlib.suppress(OSError):
-                provenance.end(status, trainer.step)
+                provenance.end(status, state.step)
 
 
-def _kept(trainer: Trainer) -> str:
-    if trainer.last_saved is None:
+def _kept(state: RunState) -> str:
+    if state.last_saved is None:
         return "no checkpoint was written"
-    return f"{trainer.last_saved[1]} holds step {trainer.last_saved[0]}"
+    return f"{state.last_saved[1]} holds step {state.last_saved[0]}"

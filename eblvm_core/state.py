@@ -1,14 +1,14 @@
 """What a checkpoint holds of a run, and how it is written and put back: every network, each
-role's optimizer, gradient scaler and parameter average (EMA), the estimator's own state, the
-data stream's position, the RNG streams (of every rank under torchrun), the step, and the state
-of model selection and early stopping (the best value of [run] select_metric, its step, and the
-evaluations since). The trainer trains a ``RunState``; ``eblvm eval`` and ``sample`` restore one
-without training."""
+role's ``state_dict`` (optimizer, gradient scaler, parameter average), the estimator's own state,
+the data stream's position, the RNG streams (of every rank under torchrun), the step, and the
+state of model selection and early stopping (the best value of [run] select_metric, its step,
+and the evaluations since). The trainer holds a ``RunState`` it trains; ``eblvm eval`` and
+``sample`` restore one without training."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from eblvm_core.build import Built
 from eblvm_core.contracts import EvalResult, Parts, evaluation_mode
 from eblvm_core.data import Batches
 from eblvm_core.errors import CheckpointError, ConfigError
-from eblvm_core.optim import optimizer_params
 from eblvm_core.recipe import Recipe, training_part
 
 
@@ -47,63 +46,55 @@ def call_evaluators(
 
 
 class RunState:
-    """The trained state of ``built`` as ``recipe`` made it, in ``run_dir``.
+    """The trained state of ``built`` as ``recipe`` made it, in process ``rank`` of ``world``.
 
     With W processes (torchrun) each rank draws its B/W share of every batch; the parameters
-    start as rank 0's (broadcast here) and stay equal, as ``apply_update`` averages every
-    gradient; a checkpoint keeps every rank's RNG and estimator state.
+    start as rank 0's (broadcast here) and stay equal, as every role's ``update`` averages the
+    gradients; a checkpoint keeps every rank's RNG and estimator state. ``best``, ``best_step``
+    and ``stale`` are model selection's (the best [run] select_metric so far, its step, and the
+    evaluations since), checkpointed with the rest.
     """
 
-    def __init__(self, recipe: Recipe, built: Built, run_dir: Path):
-        self.recipe, self.built, self.run_dir = recipe, built, Path(run_dir)
-        self.parts = built.parts
+    def __init__(self, recipe: Recipe, built: Built, rank: int = 0, world: int = 1):
+        self.recipe, self.built, self.rank, self.world = recipe, built, rank, world
+        self.parts, self.roles = built.parts, built.roles
         self.estimator = built.parts.estimator
-        self.optimizers: dict[str, torch.optim.Optimizer] = dict(self.estimator.optimizers)
         run = recipe.run
-        self.rank, self.world = distributed.rank(), distributed.world_size()
-        if run.batch_size % self.world:
+        if run.batch_size % world:
             raise ConfigError(
                 "run",
                 "batch_size",
-                f"{run.batch_size} is the global batch and must split evenly among {self.world} processes",
+                f"{run.batch_size} is the global batch and must split evenly among {world} processes",
                 file=recipe.path,
             )
         self.batches = Batches(
-            self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, self.rank, self.world
+            self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, rank, world
         )
         self.step = 0
         self.last_saved: tuple[int, Path] | None = None
-        self.best: float | None = None  # best select_metric value so far
-        self.best_step: int | None = None  # the step of the evaluation that gave it
-        self.stale = 0  # evaluations since the best one (early stopping: [run] patience)
+        self.best: float | None = None
+        self.best_step: int | None = None
+        self.stale = 0
         names = {
             id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
         }
         self.param_names = {
-            role: [names.get(id(p), f"{role} parameter {i}") for i, p in enumerate(optimizer_params(opt))]
-            for role, opt in self.optimizers.items()
+            name: [names.get(id(p), f"{name} parameter {i}") for i, p in enumerate(role.params)]
+            for name, role in self.roles.items()
         }
-        if self.world > 1:  # every rank starts from rank 0's networks and trained tensors
+        if world > 1:  # every rank starts from rank 0's networks and trained tensors
             states = [t for net in self.parts.networks().values() for t in net.state_dict().values()]
-            extra = [p for opt in self.optimizers.values() for p in optimizer_params(opt) if id(p) not in names]
+            extra = [p for role in self.roles.values() for p in role.params if id(p) not in names]
             distributed.broadcast_(states + extra)
-        self.ema = {
-            role: [p.detach().clone() for p in optimizer_params(self.optimizers[role])]
-            for role, spec in recipe.optim.items()
-            if spec.ema is not None
-        }
+        for role in self.roles.values():
+            role.start_average()
 
     def state(self) -> dict[str, Any]:
-        scalers = {
-            role: opt.grad_scaler.state_dict() for role, opt in self.optimizers.items() if hasattr(opt, "grad_scaler")
-        }
         return {
             "format": ckpt.CHECKPOINT_FORMAT,
             "step": self.step,
             "networks": {name: net.state_dict() for name, net in self.parts.networks().items()},
-            "optimizers": {role: opt.state_dict() for role, opt in self.optimizers.items()},
-            "scalers": scalers,
-            "ema": self.ema,
+            "roles": {name: role.state_dict() for name, role in self.roles.items()},
             "estimator": self.estimator.state_dict(),
             "data": self.batches.state_dict(),
             "rng": ckpt.rng_state(),
@@ -114,10 +105,11 @@ class RunState:
         }
 
     def restore(self, state: dict[str, Any], training: bool = True, source: str | Path = "checkpoint") -> None:
-        """Load a checkpoint (from ``ckpt.read_checkpoint``): networks, estimator state and EMA
-        always; with ``training`` also the optimizers, gradient scalers, data position, RNG
-        streams and the selection state (best value, its step, evaluations since). A checkpoint
-        that does not fit this run's parts is a CheckpointError naming ``source``.
+        """Load a checkpoint (from ``ckpt.read_checkpoint``): networks, estimator state and the
+        roles' parameter averages always; with ``training`` also the roles' optimizers and
+        gradient scalers, the data position, the RNG streams and the selection state (best value,
+        its step, evaluations since). A checkpoint that does not fit this run's parts is a
+        CheckpointError naming ``source``.
 
         Each rank takes its own RNG and estimator state (``state["ranks"]``) when the checkpoint
         was written by as many processes; otherwise every rank takes rank 0's estimator state
@@ -138,15 +130,11 @@ class RunState:
         other_world = ranks is None or len(ranks) != self.world
         own = state if other_world else ranks[self.rank]
         self.estimator.load_state_dict(own["estimator"])
-        for role, values in state["ema"].items():
-            self.ema[role] = [v.to(p) for v, p in zip(values, self.ema[role], strict=True)]
+        for name, role in self.roles.items():
+            role.load_state_dict(state["roles"][name], training)
         self.step = int(state["step"])
         if not training:
             return
-        for role, opt in self.optimizers.items():
-            opt.load_state_dict(state["optimizers"][role])
-            if role in state["scalers"]:
-                opt.grad_scaler.load_state_dict(state["scalers"][role])
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(own["rng"])
         if other_world and self.rank:
@@ -155,21 +143,25 @@ class RunState:
         self.best_step = state.get("best_step")
         self.stale = int(state.get("stale", 0))
 
-    def save(self, last: bool = True, keep: bool = False) -> None:
-        """Write checkpoints/last.pt and, with ``keep``, checkpoints/step-<step>.pt (rank 0,
-        atomically, each sealed with its checksum); with W > 1 it gathers every rank's RNG and
-        estimator state into ``state["ranks"]`` (a collective: every rank calls it)."""
+    def save(self, run_dir: Path, last: bool = True, keep: bool = False) -> None:
+        """Write checkpoints/last.pt and, with ``keep``, checkpoints/step-<step>.pt in ``run_dir``
+        (rank 0, atomically, each sealed with its checksum); with W > 1 it gathers every rank's RNG
+        and estimator state into ``state["ranks"]`` (a collective: every rank calls it)."""
         state = self.state()
         if self.world > 1:
             state["ranks"] = distributed.gather({"rng": state["rng"], "estimator": state["estimator"]})
         sealed = ckpt.seal(state) if self.rank == 0 else None
         if keep and self.rank == 0:
-            ckpt.save_atomic(sealed, ckpt.kept_checkpoint(self.run_dir, self.step))
+            ckpt.save_atomic(sealed, ckpt.kept_checkpoint(run_dir, self.step))
         if last:
-            path = ckpt.last_checkpoint(self.run_dir)
+            path = ckpt.last_checkpoint(run_dir)
             if self.rank == 0:
                 ckpt.save_atomic(sealed, path)
             self.last_saved = (self.step, path)
+
+    def save_best(self, run_dir: Path) -> None:
+        """Write checkpoints/best.pt (rank 0 alone evaluates and selects)."""
+        ckpt.save_atomic(ckpt.seal(self.state()), ckpt.best_checkpoint(run_dir))
 
     def out_of_patience(self) -> bool:
         """Whether [run] patience evaluations in a row have not improved on the best select_metric
@@ -177,31 +169,7 @@ class RunState:
         patience = self.recipe.run.patience
         return patience is not None and self.stale >= patience
 
-    # ---- EMA ---------------------------------------------------------------------------
-    @torch.no_grad()
-    def update_ema(self) -> None:
-        for role, averages in self.ema.items():
-            decay = self.recipe.optim[role].ema
-            torch._foreach_lerp_(averages, optimizer_params(self.optimizers[role]), 1.0 - decay)
-
-    @torch.no_grad()
-    def use_ema(self) -> None:
-        """Put the averaged parameters in place for good (evaluating or sampling a saved run)."""
-        for role, averages in self.ema.items():
-            torch._foreach_copy_(optimizer_params(self.optimizers[role]), averages)
-
-    @contextlib.contextmanager
-    def ema_weights(self) -> Iterator[None]:
-        """Within the block, every role with an EMA holds its averaged parameters."""
-        saved = {}
-        with torch.no_grad():
-            for role, averages in self.ema.items():
-                params = optimizer_params(self.optimizers[role])
-                saved[role] = [p.detach().clone() for p in params]
-                torch._foreach_copy_(params, averages)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for role, values in saved.items():
-                    torch._foreach_copy_(optimizer_params(self.optimizers[role]), values)
+    def use_averages(self) -> None:
+        """Put every role's parameter average in place for good (evaluating or sampling a saved run)."""
+        for role in self.roles.values():
+            role.use_average()

@@ -1,8 +1,11 @@
-"""The training loop: batches, estimator steps under the run's precision, schedules, EMA,
-logging, evaluation, model selection, early stopping, checkpoints (last.pt and those kept every
-[run] keep_every steps), the NaN guard and a stop asked by a signal, the same for every role;
-under torchrun the same loop on every rank, rank 0 alone writing and evaluating. What a checkpoint holds is ``state.RunState``; a run directory's life (new or
-resumed, lock, signals, provenance) is ``session``."""
+"""The training loop. ``Trainer.fit`` reads top to bottom: set the rates, take a step, then at
+fixed points call small named parts: ``Progress`` (metric sums, the log line with its speed and
+ETA, the progress bar, the warning for a stalled role), ``Guard`` (the NaN guard: a non-finite
+loss, parameter or evaluation stops the run with its last good checkpoint), ``Evaluation``
+(evaluators on averaged weights, model selection into best.pt, early stopping), the checkpoint
+schedule and a stop asked by a signal. The trainer holds the ``state.RunState`` it trains and the
+``context.RunContext`` it writes to; under torchrun the same loop runs on every rank, rank 0
+alone writing and evaluating."""
 
 from __future__ import annotations
 
@@ -11,8 +14,7 @@ import math
 import re
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,30 +22,15 @@ from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.build import Built
+from eblvm_core.context import RunContext
 from eblvm_core.errors import ConfigError, Interrupted, TrainingDiverged
 from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.launch import resume_command
-from eblvm_core.optim import device_rate, optimizer_params, take_mean_grad_norm
 from eblvm_core.recipe import Recipe
-from eblvm_core.rundir import append_metrics
+from eblvm_core.roles import averaged
 from eblvm_core.state import RunState, call_evaluators
 
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def step_precision(device_type: str, precision: str) -> contextlib.AbstractContextManager:
-    """The context a training step runs in under ``[run] precision``: autocast to bf16 or fp16,
-    or nothing for fp32. Autocast's cache of weight casts is off: a step that updates parameters
-    in place and runs them again (the K lower-level steps of BiSM and VaGES, BiDVL's second
-    level after its first) would otherwise reuse the casts made before the update, since the
-    cache lives until the outermost autocast region ends; a CUDA graph needs the cache off too."""
-    dtype = AUTOCAST.get(precision)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
-
-
+Step = Callable[[Tensor], dict[str, Any]]
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
 
 
@@ -117,58 +104,191 @@ class StepSums:
         return taken
 
 
-class Trainer(RunState):
-    """Trains ``built`` by ``recipe`` in ``run_dir``, printing through ``echo`` (rank 0 alone logs,
-    evaluates and writes checkpoints)."""
+class Progress:
+    """What the console and the loggers see of training: the sums of the step metrics, the log
+    record (their means, each role's rate and mean gradient norm, ``speed/steps_per_s``: steps per
+    second since the last log step, evaluations and checkpoints excluded), the log line with an ETA,
+    a tqdm bar on a terminal (rank 0), and a warning, once per role, when a role's gradient was 0
+    over a log interval."""
 
-    def __init__(self, recipe: Recipe, built: Built, run_dir: Path, echo: Callable[[str], None] = print):
-        super().__init__(recipe, built, run_dir)
-        self.echo = echo
-        self.stop_signal: str | None = None  # set by SIGINT/SIGTERM: checkpoint and stop after this step
-        self.bar: Any = None  # the tqdm progress bar while fit() shows one (on a terminal)
-        self.stopped_early: str | None = None  # why fit() ended before [run] steps (early stopping)
-        self.stalled_roles: set[str] = set()  # roles whose gradient was 0 over a log interval (said once)
+    def __init__(self, state: RunState, context: RunContext, total_steps: int):
+        self.state, self.context, self.total = state, context, total_steps
+        self.sums = StepSums()
+        self.bar: Any = None
+        self.stalled: set[str] = set()
+        self.count, self.tick, self.paused = 0, time.perf_counter(), 0.0
+        self.session_start, self.first_step = self.tick, state.step
 
-    # ---- logging and evaluation -----------------------------------------------------------
-    def record(self, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
-        if self.rank:
+    def say(self, line: str) -> None:
+        """Echo a line (and write it to run.log) without breaking the progress bar."""
+        if self.bar is None:
+            self.context.echo(line)
             return
-        append_metrics(self.run_dir, self.step, scalars)
-        for logger in self.built.loggers:
-            logger.log_scalars(self.step, scalars)
-            if images:
-                logger.log_images(self.step, images)
+        with self.bar.external_write_mode():
+            self.context.echo(line)
 
-    def evaluate(self) -> dict[str, float]:
-        """Run every evaluator (on EMA weights where enabled, the networks in eval mode) without
-        disturbing the training: after each one, the RNG and the networks' modes and buffers are
-        put back. On rank 0 alone, with collectives off (the other ranks return {} and wait for
-        it at their next collective)."""
-        if self.rank:
-            return {}
+    @contextlib.contextmanager
+    def shown(self, name: str) -> Iterator[None]:
+        """Within the block a progress bar stands for the log lines (rank 0, on a terminal)."""
+        if self.context.rank == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.state.step, desc=name, dynamic_ncols=True, file=sys.stderr)
+        try:
+            yield
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        """Count one step's metrics (after the step is taken)."""
+        self.sums.add(metrics)
+        self.count += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            loss = metrics.get("loss", 0.0)
+            if not isinstance(loss, Tensor):
+                self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Time spent in the block (evaluations, checkpoints) does not count in the speed."""
         start = time.perf_counter()
-        with self.ema_weights(), distributed.local():
-            result = call_evaluators(
-                self.parts, self.built.evaluators, lambda line: self.say(f"step {self.step}: {line}"), keep_rng=True
+        try:
+            yield
+        finally:
+            self.paused += time.perf_counter() - start
+
+    def log(self, last: bool) -> None:
+        """Record the means of the steps since the last log step and print a line (with an ETA
+        unless ``last``). Every rank calls it: the means are over every rank's shard."""
+        totals = self.sums.take()
+        keys = list(totals)
+        values = distributed.mean_floats([totals[k] / self.count for k in keys])
+        means = {f"train/{k}": v for k, v in zip(keys, values)}
+        for name, role in self.state.roles.items():
+            means[f"lr/{name}"] = role.lr
+            grad_norm = role.take_mean_grad_norm()
+            if grad_norm is not None:
+                means[f"train/grad_norm/{name}"] = grad_norm
+                if grad_norm == 0.0 and name not in self.stalled:
+                    self.stalled.add(name)
+                    self.say(
+                        f"warning: every gradient of role '{name}' since the last log step was 0: its parameters "
+                        "have stopped training (a saturated output or dead units), and evaluations that use them "
+                        "may mean nothing"
+                    )
+        now = time.perf_counter()
+        rate = self.count / max(now - self.tick - self.paused, 1e-9)
+        means["speed/steps_per_s"] = rate
+        step = self.state.step
+        self.context.record(step, means)
+        if self.bar is None:
+            line = f"step {step}/{self.total}  loss {means.get('train/loss', float('nan')):.5g}  ({rate:.1f} it/s"
+            if not last:  # the ETA counts evaluations and checkpoints too
+                left = (now - self.session_start) / (step - self.first_step) * (self.total - step)
+                line += f", ETA {duration(left)}"
+            self.context.echo(line + ")")
+        self.count, self.tick, self.paused = 0, now, 0.0
+
+
+class Guard:
+    """The NaN guard: a non-finite loss, trained parameter, network buffer or evaluation stops the
+    run (``TrainingDiverged``, exit 3) saying which checkpoint holds the last good parameters."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+
+    def diverged(self, what: str, step: int | None = None) -> TrainingDiverged:
+        """The error for a divergence at ``step`` (default: the last one taken)."""
+        last_saved, now = self.state.last_saved, self.state.step
+        if last_saved is None:
+            kept = "no checkpoint was written before it"
+        elif last_saved[0] == now:
+            kept = f"the checkpoint {last_saved[1]} holds this step's parameters"
+        else:
+            kept = f"last good checkpoint: {last_saved[1]} (step {last_saved[0]})"
+        return TrainingDiverged(f"step {now if step is None else step}: {what}; run stopped, {kept}")
+
+    def nonfinite_parameter(self) -> str | None:
+        """The name of a NaN or infinite trained parameter (any role) or network buffer, else None."""
+        for name, role in self.state.roles.items():
+            params = role.params
+            finite = (
+                torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
             )
-        scalars, images = result.scalars, result.images
-        if scalars or images:
-            self.record(scalars, images)
-        if scalars and self.step < self.recipe.run.steps:  # the final evaluation is printed by the caller
-            values = "  ".join(f"{k.removeprefix('eval/')} {v:.5g}" for k, v in scalars.items())
-            self.say(f"eval step {self.step}: {values}  ({time.perf_counter() - start:.1f} s)")
+            if not bool(finite.all()):
+                return f"parameter {self.state.param_names[name][int((~finite).nonzero()[0])]} (role '{name}')"
+        for section, net in self.state.parts.networks().items():
+            for key, buffer in net.named_buffers():
+                if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
+                    return f"buffer {section}.{key}"
+        return None
+
+    def check(self, sums: StepSums, since: int) -> None:
+        """Stop on a non-finite loss since step ``since`` (the last check), or a non-finite
+        parameter; on every rank (a collective under torchrun)."""
+        if distributed.any_rank(not sums.loss_finite()):
+            raise self.diverged(f"training loss became non-finite after step {since}")
+        bad = self.nonfinite_parameter()
+        if bad is not None:
+            raise self.diverged(f"{bad} is not finite")
+
+    def check_number(self, loss: Any) -> None:
+        """A loss given as a number is checked at once (one process; several ranks agree at ``check``)."""
+        if not isinstance(loss, Tensor) and not math.isfinite(loss) and self.state.world == 1:
+            raise self.diverged(f"training loss is {loss}")
+
+    def check_evaluation(self, scalars: dict[str, float]) -> None:
         bad = {k: v for k, v in scalars.items() if not math.isfinite(v)}
         if bad:
             key, value = next(iter(bad.items()))
-            raise self._diverged(f"evaluation gave {key} = {value}: the model has degenerated")
+            raise self.diverged(f"evaluation gave {key} = {value}: the model has degenerated")
+
+    def step_failed(self, exc: Exception) -> TrainingDiverged | None:
+        """A step that raised on non-finite values (a NaN probability in a sampler) or with a
+        non-finite parameter is a divergence; anything else is a bug (None: re-raise it)."""
+        bad = self.nonfinite_parameter()
+        message = " ".join(str(exc).split()).split(" (Could this error message be improved?")[0]
+        if bad is None and not NON_FINITE.search(message):
+            return None
+        cause = f"{bad} is not finite" if bad else "a value became non-finite"
+        return self.diverged(f"the step failed: {cause} ({type(exc).__name__}: {message[:200]})", self.state.step + 1)
+
+
+class Evaluation:
+    """The evaluators on the roles' averaged weights (networks in eval mode, the RNG and the
+    networks' modes and buffers put back after each), their record and line, model selection
+    (best.pt when [run] select_metric improves strictly) and early stopping ([run] patience).
+    Rank 0 alone evaluates, with collectives off; the other ranks get {}."""
+
+    def __init__(self, recipe: Recipe, state: RunState, context: RunContext, say: Callable[[str], None], guard: Guard):
+        self.recipe, self.state, self.context, self.say, self.guard = recipe, state, context, say, guard
+
+    def __call__(self) -> dict[str, float]:
+        state = self.state
+        if state.rank:
+            return {}
+        start = time.perf_counter()
+        with averaged(state.roles.values()), distributed.local():
+            result = call_evaluators(
+                state.parts, state.built.evaluators, lambda line: self.say(f"step {state.step}: {line}"), keep_rng=True
+            )
+        scalars = result.scalars
+        if scalars or result.images:
+            self.context.record(state.step, scalars, result.images)
+        if scalars and state.step < self.recipe.run.steps:  # the final evaluation is printed by the caller
+            values = "  ".join(f"{k.removeprefix('eval/')} {v:.5g}" for k, v in scalars.items())
+            self.say(f"eval step {state.step}: {values}  ({time.perf_counter() - start:.1f} s)")
+        self.guard.check_evaluation(scalars)
         self.select(scalars)
         return scalars
 
     def select(self, scalars: dict[str, float]) -> None:
-        """Model selection: save best.pt (atomically) when [run] select_metric improves on the best
-        so far (strictly); otherwise count one more evaluation without improvement (``stale``,
-        which [run] patience bounds)."""
-        run = self.recipe.run
+        """Save best.pt when select_metric improves on the best so far (strictly); otherwise count
+        one more evaluation without improvement (``stale``, which [run] patience bounds)."""
+        run, state = self.recipe.run, self.state
         if run.select_metric is None:
             return
         if run.select_metric not in scalars:
@@ -180,254 +300,153 @@ class Trainer(RunState):
                 file=self.recipe.path,
             )
         value = scalars[run.select_metric]
-        improved = self.best is None or (value > self.best if run.select_mode == "max" else value < self.best)
+        improved = state.best is None or (value > state.best if run.select_mode == "max" else value < state.best)
         if math.isfinite(value) and improved:
-            self.best, self.best_step, self.stale = value, self.step, 0
-            ckpt.save_atomic(ckpt.seal(self.state()), ckpt.best_checkpoint(self.run_dir))
+            state.best, state.best_step, state.stale = value, state.step, 0
+            state.save_best(self.context.run_dir)
         else:
-            self.stale += 1
+            state.stale += 1
 
     def early_stop(self) -> str | None:
         """After an evaluation: why the run stops early (a line for the console), or None. Every
         rank calls it and gets rank 0's answer (a collective under torchrun)."""
-        run = self.recipe.run
-        if run.patience is None or not distributed.any_rank(self.out_of_patience()):
+        run, state = self.recipe.run, self.state
+        if run.patience is None or not distributed.any_rank(state.out_of_patience()):
             return None
-        if self.rank:
+        if state.rank:
             return "stopped early on rank 0"
-        best = f"{self.best:.6g}" + (f" (step {self.best_step})" if self.best_step is not None else "")
+        best = f"{state.best:.6g}" + (f" (step {state.best_step})" if state.best_step is not None else "")
         return (
-            f"stopped early at step {self.step}/{run.steps}: {run.select_metric} has not improved on {best} "
-            f"in {self.stale} evaluations ([run] patience = {run.patience})"
+            f"stopped early at step {state.step}/{run.steps}: {run.select_metric} has not improved on {best} "
+            f"in {state.stale} evaluations ([run] patience = {run.patience})"
         )
 
-    def say(self, line: str) -> None:
-        """Echo a line (and write it to run.log) without breaking the progress bar."""
-        if self.bar is None:
-            self.echo(line)
-            return
-        with self.bar.external_write_mode():
-            self.echo(line)
 
-    # ---- the NaN guard -------------------------------------------------------------------
-    def _diverged(self, what: str, step: int | None = None) -> TrainingDiverged:
-        """The error for a divergence at ``step`` (default: the last one taken), saying which checkpoint is kept."""
-        if self.last_saved is None:
-            kept = "no checkpoint was written before it"
-        elif self.last_saved[0] == self.step:
-            kept = f"the checkpoint {self.last_saved[1]} holds this step's parameters"
-        else:
-            kept = f"last good checkpoint: {self.last_saved[1]} (step {self.last_saved[0]})"
-        return TrainingDiverged(f"step {self.step if step is None else step}: {what}; run stopped, {kept}")
+class Trainer:
+    """Trains ``state`` by ``recipe`` in ``context``. ``stop_signal`` (set by SIGINT/SIGTERM) makes
+    the loop write a checkpoint and stop after the step; ``stopped_early`` says why a run ended
+    before [run] steps (early stopping)."""
 
-    def nonfinite_parameter(self) -> str | None:
-        """The name of a NaN or infinite trained parameter (any role) or network buffer, else None."""
-        for role, opt in self.optimizers.items():
-            params = optimizer_params(opt)
-            finite = (
-                torch.stack([torch.isfinite(p).all() for p in params]) if params else torch.ones(0, dtype=torch.bool)
-            )
-            if not bool(finite.all()):
-                return f"parameter {self.param_names[role][int((~finite).nonzero()[0])]} (role '{role}')"
-        for section, net in self.parts.networks().items():
-            for name, buffer in net.named_buffers():
-                if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all()):
-                    return f"buffer {section}.{name}"
-        return None
+    def __init__(self, recipe: Recipe, state: RunState, context: RunContext):
+        self.recipe, self.state, self.context = recipe, state, context
+        self.stop_signal: str | None = None
+        self.stopped_early: str | None = None
+        self.progress = Progress(state, context, recipe.run.steps)
+        self.guard = Guard(state)
+        self.evaluate = Evaluation(recipe, state, context, self.progress.say, self.guard)
 
-    def check_parameters(self) -> None:
-        """Stop when a parameter of any role (or a network buffer) is NaN or infinite."""
-        bad = self.nonfinite_parameter()
-        if bad is not None:
-            raise self._diverged(f"{bad} is not finite")
+    def fit(self) -> dict[str, float]:
+        """Train to [run] steps, then evaluate; returns the final evaluation. A log step records
+        the metrics' means (``Progress``), a checkpoint step writes checkpoints/last.pt (also at the
+        end), a keep step checkpoints/step-<N>.pt; before either the NaN guard checks every step
+        since the last check. An evaluation that exhausts [run] patience is the final one: the
+        steps since the last log step are logged, last.pt is written at its step, and a line says
+        why (``stopped_early``)."""
+        run, state, progress = self.recipe.run, self.state, self.progress
+        if state.step < run.steps and (stopping := self.evaluate.early_stop()) is not None:
+            self._stop_early(stopping)  # a resumed run that had stopped early: only its final evaluation is left
+            return self.evaluate()
+        step = self.training_step()
+        prefetch = state.parts.device.type == "cuda"  # the next batch on its way while the GPU runs the step
+        with progress.shown(run.name):
+            while state.step < run.steps:
+                self._take(step, prefetch)
+                at_end = state.step == run.steps
+                log_now = state.step % run.log_every == 0 or at_end
+                save_now = state.step % run.checkpoint_every == 0 or at_end
+                keep_now = run.keep_every is not None and state.step % run.keep_every == 0
+                if log_now or save_now or keep_now:
+                    self.guard.check(progress.sums, since=state.step - progress.count)
+                if log_now:
+                    progress.log(last=at_end)
+                stopping = None
+                if run.eval_every and state.step % run.eval_every == 0 and not at_end:
+                    with progress.pause():
+                        results = self.evaluate()
+                    stopping = self.evaluate.early_stop()
+                    if stopping is not None and not log_now:  # the evaluation ends the run: log the steps since
+                        if not (save_now or keep_now):
+                            self.guard.check(progress.sums, since=state.step - progress.count)
+                        progress.log(last=True)
+                if save_now or keep_now or stopping is not None:
+                    with progress.pause():
+                        state.save(self.context.run_dir, last=save_now or stopping is not None, keep=keep_now)
+                if stopping is not None:
+                    self._stop_early(stopping)
+                    return results
+                self._stop_if_asked(sync=log_now or save_now, saved=save_now)
+        results = self.evaluate()
+        if run.select_metric is not None:
+            state.save(self.context.run_dir)  # last.pt also holds what the final evaluation did to the selection
+        return results
 
-    def _step_failed(self, exc: Exception) -> TrainingDiverged | None:
-        """A step that raised on non-finite values (a NaN probability in a sampler) or with a
-        non-finite parameter is a divergence; anything else is a bug (None: re-raise it)."""
-        bad = self.nonfinite_parameter()
-        message = " ".join(str(exc).split()).split(" (Could this error message be improved?")[0]
-        if bad is None and not NON_FINITE.search(message):
-            return None
-        cause = f"{bad} is not finite" if bad else "a value became non-finite"
-        return self._diverged(f"the step failed: {cause} ({type(exc).__name__}: {message[:200]})", self.step + 1)
+    def _take(self, step: Step, prefetch: bool) -> None:
+        """One training step at this step's learning rates and precision; the roles' averages
+        follow, the step count goes up, and the metrics are counted (a number loss checked)."""
+        state = self.state
+        device_rates = state.parts.device.type == "cuda"
+        for role in state.roles.values():
+            role.set_lr(state.step, self.recipe.run.steps, state.batches.steps_per_epoch, device_rates)
+        batch = state.batches.next()
+        try:
+            with state.built.precision.autocast():
+                metrics = step(batch)
+        except (RuntimeError, ValueError) as exc:
+            diverged = self.guard.step_failed(exc)
+            if diverged is None:
+                raise
+            raise diverged from None
+        if prefetch and state.step + 1 < self.recipe.run.steps:
+            state.batches.prefetch()
+        for role in state.roles.values():
+            role.update_average()
+        state.step += 1
+        self.guard.check_number(metrics.get("loss", 0.0))
+        self.progress.add(metrics)  # with several ranks a non-finite number stops them all at the next check
 
-    # ---- the loop ----------------------------------------------------------------------
-    def training_step(self) -> Callable[[Tensor], dict[str, Any]]:
+    def _stop_early(self, why: str) -> None:
+        self.stopped_early = why
+        self.progress.say(why)
+
+    def training_step(self) -> Step:
         """The estimator's step; on a GPU wrapped to be replayed from a CUDA graph where it can
         be ([run] cuda_graph), saying in the log which and why."""
-        run, device = self.recipe.run, self.parts.device
+        run, state, say = self.recipe.run, self.state, self.progress.say
+        estimator, device = state.estimator, state.parts.device
         if device.type != "cuda":
-            return self.estimator.step
+            return estimator.step
         if run.cudnn_benchmark:
-            self.say("cuDNN: convolution algorithms chosen by timing ([run] cudnn_benchmark)")
-        refusal = graph_refusal(self.estimator, self.built.schedules, device, self.world, run.precision, run.cuda_graph)
+            say("cuDNN: convolution algorithms chosen by timing ([run] cudnn_benchmark)")
+        refusal = graph_refusal(
+            estimator.graph_safe, state.roles, device, state.world, state.built.precision, run.cuda_graph
+        )
         if refusal is not None:
-            self.say(f"CUDA graph: not used: {refusal}")
-            return self.estimator.step
-        rates = scheduled_rates(self.optimizers, self.built.schedules)
+            say(f"CUDA graph: not used: {refusal}")
+            return estimator.step
+        rates = scheduled_rates(state.roles)
         line = f"CUDA graph: the training step is captured after {WARMUP_STEPS} eager steps and replayed"
         if rates is not None:
-            roles = ", ".join(role for role, s in self.built.schedules.items() if not s.constant)
-            line += f"; the scheduled rates ({roles}) are read from device tensors, updated before each replay"
-        self.say(line)
-        return GraphedStep(self.estimator.step, self.optimizers, self.say, rates)
+            scheduled = ", ".join(name for name, role in state.roles.items() if role.scheduled)
+            line += f"; the scheduled rates ({scheduled}) are read from device tensors, updated before each replay"
+        say(line)
+        return GraphedStep(estimator.step, state.roles, say, rates)
 
-    def set_learning_rates(self) -> None:
-        """Each role's rate for this step from its schedule. On a CUDA device a scheduled rate is
-        rounded to float32 (``optim.device_rate``), the value a replayed step reads from its rate
-        tensor, so that graph-replayed and eager runs step alike; on the CPU it is the float itself."""
-        run = self.recipe.run
-        rounded = self.parts.device.type == "cuda"
-        for role, opt in self.optimizers.items():
-            schedule = self.built.schedules.get(role)
-            if schedule is None or not hasattr(opt, "base_lrs"):
-                continue
-            for group, base in zip(opt.param_groups, opt.base_lrs):
-                lr = schedule.lr(base, self.step, run.steps, self.batches.steps_per_epoch)
-                group["lr"] = device_rate(lr) if rounded and not schedule.constant else lr
-
-    def _stop_if_asked(self, sync_step: bool, saved: bool) -> None:
+    def _stop_if_asked(self, sync: bool, saved: bool) -> None:
         """After a step: on SIGINT/SIGTERM write a checkpoint (unless this step did) and stop.
-        With several processes the ranks agree at logging and checkpoint steps."""
+        With several processes the ranks agree at logging and checkpoint steps (``sync``)."""
+        state = self.state
         stop = self.stop_signal is not None
-        if self.world > 1:
-            stop = sync_step and distributed.any_rank(stop)
+        if state.world > 1:
+            stop = sync and distributed.any_rank(stop)
         if not stop:
             return
         if not saved:
-            self.save()
+            state.save(self.context.run_dir)
         raise Interrupted(
-            f"{self.stop_signal or 'a signal on another rank'} at step {self.step}/{self.recipe.run.steps}: "
-            f"checkpoint {ckpt.last_checkpoint(self.run_dir)} written; "
-            f"resume with: {resume_command(self.run_dir, self.world)}"
+            f"{self.stop_signal or 'a signal on another rank'} at step {state.step}/{self.recipe.run.steps}: "
+            f"checkpoint {ckpt.last_checkpoint(self.context.run_dir)} written; "
+            f"resume with: {resume_command(self.context.run_dir, state.world)}"
         )
-
-    def fit(self) -> dict[str, float]:
-        """Train to [run] steps, then evaluate; returns the final evaluation. Log steps record the
-        mean metrics, learning rates, gradient norms and ``speed/steps_per_s`` (training steps per
-        second since the last log step, evaluations and checkpoints excluded) and print a line with
-        an ETA. checkpoints/last.pt is written every [run] checkpoint_every steps and at the end,
-        checkpoints/step-<N>.pt at every multiple N of [run] keep_every (a schedule of its own).
-
-        Early stopping ([run] patience): the evaluation that makes ``patience`` in a row without
-        improving on the best select_metric ends the run at its step, as the final evaluation:
-        the steps since the last log step are logged, last.pt is written, a line says why, and
-        ``stopped_early`` holds it."""
-        run = self.recipe.run
-        if self.step < run.steps:  # a resumed run that had stopped early: only its final evaluation is left
-            self.stopped_early = self.early_stop()
-            if self.stopped_early is not None:
-                self.say(self.stopped_early)
-                return self.evaluate()
-        if self.rank == 0 and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=run.steps, initial=self.step, desc=run.name, dynamic_ncols=True, file=sys.stderr)
-        sums = StepSums()
-        count, tick, paused = 0, time.perf_counter(), 0.0  # paused: seconds of evaluations and checkpoints
-        session_start, first_step = tick, self.step
-        training_step = self.training_step()
-        prefetch = self.parts.device.type == "cuda"  # the next batch on its way while the GPU runs the step
-
-        def check_finite() -> None:
-            """Stop on a non-finite loss since the last log step, or a non-finite parameter (every
-            rank). Every log step is checked first, so that covers every step since the last check."""
-            if distributed.any_rank(not sums.loss_finite()):
-                raise self._diverged(f"training loss became non-finite after step {self.step - count}")
-            self.check_parameters()
-
-        def log(last: bool) -> None:
-            """Record the means of the steps since the last log step and print a line (with an ETA
-            unless ``last``)."""
-            nonlocal count, tick, paused
-            totals = sums.take()
-            keys = list(totals)  # means over every rank's shard
-            values = distributed.mean_floats([totals[k] / count for k in keys])
-            means = {f"train/{k}": v for k, v in zip(keys, values)}
-            for role, opt in self.optimizers.items():
-                means[f"lr/{role}"] = float(opt.param_groups[0]["lr"])
-                grad_norm = take_mean_grad_norm(opt)
-                if grad_norm is not None:
-                    means[f"train/grad_norm/{role}"] = grad_norm
-                    if grad_norm == 0.0 and role not in self.stalled_roles:
-                        self.stalled_roles.add(role)
-                        self.say(
-                            f"warning: every gradient of role '{role}' since the last log step was 0: its parameters "
-                            "have stopped training (a saturated output or dead units), and evaluations that use them "
-                            "may mean nothing"
-                        )
-            now = time.perf_counter()
-            rate = count / max(now - tick - paused, 1e-9)
-            means["speed/steps_per_s"] = rate
-            self.record(means)
-            if self.bar is None:
-                loss_mean = means.get("train/loss", float("nan"))
-                line = f"step {self.step}/{run.steps}  loss {loss_mean:.5g}  ({rate:.1f} it/s"
-                if not last:  # the ETA counts evaluations and checkpoints too
-                    left = (now - session_start) / (self.step - first_step) * (run.steps - self.step)
-                    line += f", ETA {duration(left)}"
-                self.echo(line + ")")
-            count, tick, paused = 0, now, 0.0
-
-        try:
-            while self.step < run.steps:
-                self.set_learning_rates()
-                batch = self.batches.next()
-                try:
-                    with step_precision(self.parts.device.type, run.precision):
-                        metrics = training_step(batch)
-                except (RuntimeError, ValueError) as exc:
-                    diverged = self._step_failed(exc)
-                    if diverged is None:
-                        raise
-                    raise diverged from None
-                if prefetch and self.step + 1 < run.steps:
-                    self.batches.prefetch()
-                self.update_ema()
-                self.step += 1
-                loss = metrics.get("loss", 0.0)
-                if not isinstance(loss, Tensor) and not math.isfinite(loss) and self.world == 1:
-                    raise self._diverged(f"training loss is {loss}")
-                sums.add(metrics)  # with several ranks a non-finite number stops them all at the next check
-                count += 1
-                if self.bar is not None:
-                    self.bar.update(1)
-                    if not isinstance(loss, Tensor):
-                        self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
-                log_now = self.step % run.log_every == 0 or self.step == run.steps
-                save_now = self.step % run.checkpoint_every == 0 or self.step == run.steps
-                keep_now = run.keep_every is not None and self.step % run.keep_every == 0
-                if log_now or save_now or keep_now:
-                    check_finite()
-                if log_now:
-                    log(last=self.step == run.steps)
-                pause = time.perf_counter()
-                stopping = None
-                if run.eval_every and self.step % run.eval_every == 0 and self.step < run.steps:
-                    results = self.evaluate()
-                    stopping = self.early_stop()
-                    if stopping is not None and not log_now:
-                        if not (save_now or keep_now):
-                            check_finite()
-                        paused += time.perf_counter() - pause
-                        pause = time.perf_counter()
-                        log(last=True)
-                if save_now or keep_now or stopping is not None:
-                    self.save(last=save_now or stopping is not None, keep=keep_now)
-                paused += time.perf_counter() - pause
-                if stopping is not None:  # the evaluation at this step is the final one
-                    self.stopped_early = stopping
-                    self.say(stopping)
-                    return results
-                self._stop_if_asked(log_now or save_now, save_now)
-        finally:
-            if self.bar is not None:
-                self.bar.close()
-                self.bar = None
-        results = self.evaluate()
-        if run.select_metric is not None:
-            self.save()  # last.pt also holds what the final evaluation did to the selection (best, patience)
-        return results
 
 
 def duration(seconds: float) -> str:

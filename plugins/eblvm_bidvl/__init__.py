@@ -11,8 +11,7 @@ from eblvm_bidvl.evaluators import (
     build_reconstruction,
 )
 from eblvm_bidvl.nets import EnergyConfig, GeneratorConfig, build_energy, build_generator
-from eblvm_core.hookspecs import hookimpl
-from eblvm_core.registry import NoConfig
+from eblvm_core.plugin_api import NoConfig, hookimpl
 
 __all__ = ["BiDVL", "auroc", "gaussian_kl"]
 

@@ -30,10 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from eblvm_bidvl.nets import posterior_codes
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EnergyModel, Estimator, Parts, Posterior
-from eblvm_core.errors import ConfigError
-from eblvm_core.optim import apply_update
+from eblvm_core.plugin_api import ConfigError, EnergyModel, Estimator, Parts, Posterior, non_negative, option, positive
 
 
 def gaussian_kl(mu: Tensor, log_std: Tensor) -> Tensor:
@@ -88,11 +85,9 @@ class BiDVL(Estimator):
         self.cfg, self.energy, self.encoder, self.generator = cfg, energy, encoder, generator
         self.m = generator.latent_dim
         self.latent_weight = cfg.latent_weight if cfg.latent_weight is not None else 1.0 / self.m
-        self.optimizers = {
-            "energy": parts.make_optimizer("energy", [p for p in energy.parameters() if p.requires_grad]),
-            "encoder": parts.make_optimizer("encoder", [p for p in encoder.parameters() if p.requires_grad]),
-            "generator": parts.make_optimizer("generator", [p for p in generator.parameters() if p.requires_grad]),
-        }
+        self.energy_role = parts.make_role("energy", [p for p in energy.parameters() if p.requires_grad])
+        self.encoder_role = parts.make_role("encoder", [p for p in encoder.parameters() if p.requires_grad])
+        self.generator_role = parts.make_role("generator", [p for p in generator.parameters() if p.requires_grad])
 
     def prior(self, n: int, like: Tensor) -> Tensor:
         """z ~ p(h) = N(0, I): (n, m)."""
@@ -136,14 +131,12 @@ class BiDVL(Estimator):
         generated = self.generator(z)  # one pass for both terms: batch norm updates its statistics once, as released
         latent = self.latent_reconstruction(generated, z, through_encoder=self.cfg.upper == "not-offset")
         lower = vae.mean() + self.energy.energy(generated).mean() + latent.mean()
-        params = {
-            role: [p for p in self.optimizers[role].param_groups[0]["params"]] for role in ("encoder", "generator")
-        }
-        grads = torch.autograd.grad(lower, params["encoder"] + params["generator"], allow_unused=True)
-        for p, g in zip(params["encoder"] + params["generator"], grads):
+        params = self.encoder_role.params + self.generator_role.params
+        grads = torch.autograd.grad(lower, params, allow_unused=True)
+        for p, g in zip(params, grads):
             p.grad = torch.zeros_like(p) if g is None else g
-        for role in ("encoder", "generator"):
-            apply_update(self.optimizers[role], None)
+        self.encoder_role.update()
+        self.generator_role.update()
         return {
             "lower_loss": lower.detach(),
             "reconstruction": error.mean().detach(),
@@ -161,7 +154,7 @@ class BiDVL(Estimator):
             loss = torch.relu(1 + e_data).mean() + torch.relu(1 - e_gen).mean()
         else:
             loss = e_data.mean() - e_gen.mean()
-        apply_update(self.optimizers["energy"], loss)
+        self.energy_role.update(loss)
         metrics = {
             "loss": loss.detach(),
             "energy_data": e_data.mean().detach(),
@@ -170,7 +163,7 @@ class BiDVL(Estimator):
         if self.cfg.upper == "not-offset":
             mu, log_std = self.encoder.params(generated)
             kl = gaussian_kl(mu, log_std).mean() / self.m
-            apply_update(self.optimizers["encoder"], kl)
+            self.encoder_role.update(kl)
             metrics["upper_encoder_kl"] = kl.detach()
         return metrics
 

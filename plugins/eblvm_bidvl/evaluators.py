@@ -11,12 +11,20 @@ import torch
 from torch import Tensor
 
 from eblvm_bidvl.nets import posterior_codes
-from eblvm_core.config import option, positive, structure
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Sampler, evaluation_mode, reporting
-from eblvm_core.errors import ConfigError
-from eblvm_core.plot import image_grid
-from eblvm_core.plugins import registry
-from eblvm_core.registry import NoConfig
+from eblvm_core.plugin_api import (
+    ConfigError,
+    EnergyModel,
+    EvalResult,
+    NoConfig,
+    Parts,
+    Sampler,
+    evaluation_mode,
+    image_grid,
+    option,
+    positive,
+    reporting,
+    structure,
+)
 
 
 class GeneratorSampler(Sampler):
@@ -137,7 +145,7 @@ def build_ood(cfg: OODConfig, parts: Parts):
             raise ConfigError(
                 "", f"against.{i}", 'must be a table with a data set kind, e.g. { kind = "cifar10", root = "..." }'
             )
-        entry = registry("datasets").get(body["kind"], section="")
+        entry = parts.registry("datasets").get(body["kind"], section="")
         other = entry.factory(
             structure(entry.config, {k: v for k, v in body.items() if k != "kind"}, f"against.{i}"), parts
         )

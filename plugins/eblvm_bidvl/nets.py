@@ -13,9 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import EnergyModel, Parts
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, EnergyModel, Parts, option, positive
 
 
 def square_side(parts: Parts, section: str) -> tuple[int, int]:

@@ -26,28 +26,34 @@ import torch
 from torch import Tensor
 
 from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
-from eblvm_core import distributed
-from eblvm_core.bilevel import (
+from eblvm_core.plugin_api import (
+    Conditioned,
+    ConfigError,
     DifferentiableAdam,
+    EnergyModel,
+    Estimator,
     Functional,
+    Parts,
+    Posterior,
+    ScoreField,
     SolveInfo,
+    collectives_active,
     conjugate_gradient,
     fit_posterior,
     flat,
     grads_or_zeros,
+    hookimpl,
     hvp,
+    mean_over_ranks,
     neumann,
+    non_negative,
+    option,
+    positive,
     sgd_step,
     trainable,
     unflat,
     weighted_mean,
 )
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import Conditioned, EnergyModel, Estimator, Parts, Posterior, ScoreField
-from eblvm_core.distributed import mean_over_ranks
-from eblvm_core.errors import ConfigError
-from eblvm_core.hookspecs import hookimpl
-from eblvm_core.optim import apply_update
 
 
 def modified_score(model: EnergyModel | Conditioned, posterior: Posterior) -> ScoreField:
@@ -71,7 +77,7 @@ def modified_score(model: EnergyModel | Conditioned, posterior: Posterior) -> Sc
 
 
 class BiSM(Estimator):
-    """Shared part of the BiSM estimators: parts, optimizers, the two levels and the step.
+    """Shared part of the BiSM estimators: parts, roles, the two levels and the step.
 
     Subclasses implement ``hypergradient(x, context, energy=None) -> (dJ/dθ per model
     parameter, metrics)``, evaluating the model through ``energy`` (from ``condition``).
@@ -87,10 +93,8 @@ class BiSM(Estimator):
         self.inner_steps = inner_steps
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
         self.phi = trainable(self.posterior)
-        self.optimizers = {
-            "model": parts.make_optimizer("model", self.theta),
-            "posterior": parts.make_optimizer("posterior", list(self.phi.values())),
-        }
+        self.model_role = parts.make_role("model", self.theta)
+        self.posterior_role = parts.make_role("posterior", list(self.phi.values()))
         self.functional = Functional(self.posterior)
 
     upper_shares_features = True
@@ -135,7 +139,7 @@ class BiSM(Estimator):
             self.divergence,
             self.model if energy is None else energy,
             self.posterior,
-            self.optimizers["posterior"],
+            self.posterior_role,
             x,
             self.inner_steps,
             weights,
@@ -159,7 +163,7 @@ class BiSM(Estimator):
         grads, more = self.hypergradient(x, context, energy)
         for p, g in zip(self.theta, grads):
             p.grad = g
-        apply_update(self.optimizers["model"], None)
+        self.model_role.update()
         return {**metrics, **more}
 
 
@@ -212,7 +216,7 @@ class BiSMUnrolled(BiSM):
 
     def _update_rule(self, x: Tensor | None = None) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         if self.unroll == "adam":
-            return DifferentiableAdam.from_optimizer(self.optimizers["posterior"], list(self.phi.values())).step
+            return DifferentiableAdam.from_optimizer(self.posterior_role.optimizer, list(self.phi.values())).step
         if self.unroll == "natural":
             return self._natural_step(x)
         return functools.partial(sgd_step, lr=self.inner_lr)
@@ -238,7 +242,7 @@ class BiSMUnrolled(BiSM):
         of θ through it) is evaluated by all N steps; ``weights`` weight G's points."""
         params, lower_at_start = self.phi, None
         update = self._update_rule(x)
-        ranks = distributed.active()  # asked once per step, not once per unrolled step
+        ranks = collectives_active()  # asked once per step, not once per unrolled step
         for n in range(self.unroll_steps):
             lower = (
                 self.functional.call(params, self.lower, x, energy, weights) if n else self.lower(x, energy, weights)
@@ -364,7 +368,7 @@ def build_unrolled(cfg: UnrolledConfig, parts: Parts) -> BiSMUnrolled:
     if cfg.unroll == "natural":
         _needs_fisher_blocks(parts, "unroll", "'natural'")
     estimator = BiSMUnrolled(parts, cfg.inner_steps, cfg.unroll_steps, cfg.unroll, cfg.inner_lr, cfg.natural_damping)
-    if cfg.unroll == "adam" and not isinstance(estimator.optimizers["posterior"], torch.optim.Adam):
+    if cfg.unroll == "adam" and not isinstance(estimator.posterior_role.optimizer, torch.optim.Adam):
         raise ConfigError(
             "estimator", "unroll", "'adam' copies the posterior's optimizer: set [optim.posterior] kind = \"adam\""
         )

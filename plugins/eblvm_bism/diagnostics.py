@@ -16,9 +16,7 @@ from typing import Literal
 import attrs
 import torch
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts, exact_score
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, exact_score, option, positive
 
 
 @attrs.frozen

@@ -1,6 +1,6 @@
 """Deep plugin: the papers' ResNet EBLVM and fully visible EBM on images, and annealed Langevin sampling."""
 
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import hookimpl
 from eblvm_deep.langevin import AnnealedLangevin, LangevinConfig, build_langevin, temperatures
 from eblvm_deep.models import (
     ResNetConfig,

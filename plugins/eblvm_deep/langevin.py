@@ -21,9 +21,18 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, EnergyModel, Parts, Posterior, Sampler, evaluation_mode
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import (
+    ConfigError,
+    DataSplits,
+    EnergyModel,
+    Parts,
+    Posterior,
+    Sampler,
+    evaluation_mode,
+    non_negative,
+    option,
+    positive,
+)
 
 
 def temperatures(t_max: float, hot: int, anneal: int, cool: int) -> list[float]:

@@ -15,8 +15,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import (
+from eblvm_core.plugin_api import (
+    ConfigError,
     DataSplits,
     Divergence,
     EnergyModel,
@@ -24,10 +24,11 @@ from eblvm_core.contracts import (
     Parts,
     Posterior,
     energies,
+    hookimpl,
+    option,
+    positive,
     reporting,
 )
-from eblvm_core.errors import ConfigError
-from eblvm_core.hookspecs import hookimpl
 
 
 @attrs.frozen

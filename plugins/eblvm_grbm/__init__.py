@@ -3,8 +3,7 @@
 import functools
 from collections.abc import Callable
 
-from eblvm_core.contracts import EvalResult, Parts
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import EvalResult, Parts, hookimpl
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
 from eblvm_grbm.evaluators import ExactLoglikConfig, PosteriorKLConfig, build_exact_loglik, build_posterior_kl

@@ -31,9 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EvalResult, Parts, reporting
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
 from eblvm_grbm.gibbs import gibbs_chain, require_grbm
 from eblvm_grbm.model import GRBM
 

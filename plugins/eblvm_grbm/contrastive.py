@@ -15,9 +15,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import Estimator, Parts
-from eblvm_core.optim import apply_update
+from eblvm_core.plugin_api import Estimator, Parts, non_negative, option, positive
 from eblvm_grbm.gibbs import gibbs_chain, initial_states, require_grbm
 from eblvm_grbm.model import GRBM
 
@@ -36,7 +34,7 @@ class ContrastiveDivergence(Estimator):
 
     def __init__(self, model: GRBM, k: int, parts: Parts):
         self.model, self.k = model, k
-        self.optimizers = {"model": parts.make_optimizer("model", [p for p in model.parameters() if p.requires_grad])}
+        self.model_role = parts.make_role("model", [p for p in model.parameters() if p.requires_grad])
 
     def negatives(self, batch: Tensor) -> Tensor:
         """Model samples (B, d) paired with the batch."""
@@ -46,7 +44,7 @@ class ContrastiveDivergence(Estimator):
         batch = batch.reshape(len(batch), -1)
         samples = self.negatives(batch)
         loss = contrastive_loss(self.model, batch, samples)
-        apply_update(self.optimizers["model"], loss)
+        self.model_role.update(loss)
         metrics = {"loss": loss.detach(), "sigma": self.model.sigma.detach()}
         if self.pairs_with_data:
             metrics["reconstruction"] = ((samples - batch) ** 2).sum(-1).mean()

@@ -12,9 +12,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts, reporting
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, option, positive, reporting
 from eblvm_grbm.model import MAX_ENUMERATED_HIDDEN, default_chunk
 
 ANNOUNCE_STATES = 2**24  # enumerations of more hidden states than this say how long they will take

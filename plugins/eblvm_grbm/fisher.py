@@ -10,9 +10,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, exact_score, reporting
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, EnergyModel, EvalResult, Parts, exact_score, option, positive, reporting
 
 
 def score_matching_loss(

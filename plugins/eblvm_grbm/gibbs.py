@@ -11,9 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, EnergyModel, Parts, Sampler
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, DataSplits, EnergyModel, Parts, Sampler, non_negative, option, positive
 from eblvm_grbm.model import GRBM
 
 

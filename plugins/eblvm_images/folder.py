@@ -16,10 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import DataSplits, Parts
-from eblvm_core.data import ImageOptions, image_pipeline
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, DataSplits, ImageOptions, Parts, image_pipeline, option, positive
 
 SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp"}
 

@@ -17,9 +17,7 @@ import numpy as np
 import scipy.io
 import torch
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, Parts
-from eblvm_core.errors import ConfigError, DataError
+from eblvm_core.plugin_api import ConfigError, DataError, DataSplits, Parts, non_negative, option, positive
 
 FILE = "frey_rawface.mat"
 URL = "https://cs.nyu.edu/~roweis/data/frey_rawface.mat"

@@ -18,10 +18,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, Parts
-from eblvm_core.data import ImageOptions, image_pipeline
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import (
+    ConfigError,
+    DataSplits,
+    ImageOptions,
+    Parts,
+    image_pipeline,
+    non_negative,
+    option,
+    positive,
+)
 from eblvm_images.folder import ImageFiles
 
 

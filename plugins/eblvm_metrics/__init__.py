@@ -1,6 +1,6 @@
 """Metrics plugin: density plots of 2-D models, sample grids, FID, and probes of the posterior (SVM, 2-D embeddings)."""
 
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import hookimpl
 from eblvm_metrics.density import DensityPlotConfig, build_density_plot
 from eblvm_metrics.fid import FIDConfig, build_fid
 from eblvm_metrics.probes import EmbeddingConfig, SVMProbeConfig, build_posterior_embedding, build_svm_probe

@@ -9,10 +9,17 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EvalResult, Parts, reporting
-from eblvm_core.errors import ConfigError
-from eblvm_core.plot import densities, render
+from eblvm_core.plugin_api import (
+    ConfigError,
+    EvalResult,
+    Parts,
+    densities,
+    non_negative,
+    option,
+    positive,
+    render,
+    reporting,
+)
 
 
 @attrs.frozen

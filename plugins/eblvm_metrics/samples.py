@@ -8,11 +8,18 @@ from typing import Any
 import attrs
 import torch
 
-from eblvm_core.config import non_negative, option, positive, structure
-from eblvm_core.contracts import EvalResult, Parts, Sampler, reporting
-from eblvm_core.errors import ConfigError
-from eblvm_core.plot import image_grid
-from eblvm_core.plugins import registry
+from eblvm_core.plugin_api import (
+    ConfigError,
+    EvalResult,
+    Parts,
+    Sampler,
+    image_grid,
+    non_negative,
+    option,
+    positive,
+    reporting,
+    structure,
+)
 
 
 @attrs.frozen
@@ -36,7 +43,7 @@ class SampleGridConfig:
 def named_sampler(name: str, options: dict[str, Any], parts: Parts) -> Sampler:
     """The registered sampler ``name`` built with ``options`` (the others at their defaults); its
     errors name this evaluator's ``sampler`` / ``sampler_options`` keys."""
-    samplers = registry("samplers")
+    samplers = parts.registry("samplers")
     if name not in samplers:
         raise ConfigError(
             "", "sampler", f"unknown sampler '{name}'; valid: {', '.join(samplers.names()) or 'none registered'}"

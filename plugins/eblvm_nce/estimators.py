@@ -28,10 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import DataSplits, Divergence, EnergyModel, Estimator, Parts, Posterior
-from eblvm_core.errors import ConfigError
-from eblvm_core.optim import apply_update
+from eblvm_core.plugin_api import (
+    ConfigError,
+    DataSplits,
+    Divergence,
+    EnergyModel,
+    Estimator,
+    Parts,
+    Posterior,
+    non_negative,
+    option,
+    positive,
+)
 
 
 def nce_loss(
@@ -125,7 +133,7 @@ class NCE(Estimator):
         self.model, self.noise, self.nu = model, noise, nu
         self.log_z = nn.Parameter(torch.zeros((), dtype=parts.dtype, device=parts.device))
         params = [p for p in model.parameters() if p.requires_grad] + [self.log_z]
-        self.optimizers = {"model": parts.make_optimizer("model", params)}
+        self.model_role = parts.make_role("model", params)
 
     def log_unnormalised(self, u: Tensor, for_noise: bool) -> Tensor:
         """log φ(u) = −F(u): u (B, *shape) -> (B,)."""
@@ -155,7 +163,7 @@ class NCE(Estimator):
             self.noise.log_prob(y),
             nu,
         )
-        apply_update(self.optimizers["model"], loss)
+        self.model_role.update(loss)
         return {"loss": loss.detach(), "log_z": self.log_z.detach().clone()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -184,7 +192,7 @@ class VNCE(NCE):
     ):
         super().__init__(model, noise, nu, parts)
         self.posterior, self.divergence, self.cfg = posterior, divergence, cfg
-        self.optimizers["posterior"] = parts.make_optimizer("posterior", list(posterior.parameters()))
+        self.posterior_role = parts.make_role("posterior", list(posterior.parameters()))
 
     def log_unnormalised(self, u: Tensor, for_noise: bool) -> Tensor:
         """Noise points: log (1/k) Σ_i p̃(u, h_i)/q(h_i|u) (B,). Data points: the k per-draw
@@ -199,7 +207,7 @@ class VNCE(NCE):
         lower = None
         for _ in range(self.cfg.inner_steps):
             lower = self.divergence(self.model, self.posterior, batch).mean()
-            apply_update(self.optimizers["posterior"], lower)
+            self.posterior_role.update(lower)
         metrics = super().step(batch)
         if lower is not None:
             metrics["lower_level"] = lower.detach()

@@ -12,11 +12,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
-from eblvm_core import distributed
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Parts, Posterior
-from eblvm_core.errors import ConfigError
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import (
+    ConfigError,
+    Parts,
+    Posterior,
+    collectives_active,
+    hookimpl,
+    mean_over_ranks,
+    option,
+    positive,
+)
 
 Activation = Literal["elu", "relu", "softplus", "tanh", "silu"]
 ACTIVATIONS: dict[str, type[nn.Module]] = {
@@ -245,9 +250,9 @@ class FisherBlocks:
     def mean_over_ranks(self) -> FisherBlocks:
         """The blocks averaged over the ranks (held whole), those of the union of their points;
         ``self`` without a process group."""
-        if not distributed.active():
+        if not collectives_active():
             return self
-        return FisherBlocks(dense=distributed.mean_over_ranks([self.matrices()])[0])
+        return FisherBlocks(dense=mean_over_ranks([self.matrices()])[0])
 
     def solve(self, g: Tensor, damping: float) -> Tensor:
         """(F_j + damping·I)⁻¹ g_j for every row j of g (m, k) -> (m, k), differentiable in g.

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from eblvm_core.contracts import EnergyModel, Estimator, Parts, ScoreObjective, exact_score
-from eblvm_core.errors import ConfigError
-from eblvm_core.optim import apply_update
-from eblvm_core.registry import NoConfig
+from eblvm_core.plugin_api import ConfigError, EnergyModel, Estimator, NoConfig, Parts, ScoreObjective, exact_score
 
 
 class ExactScore(Estimator):
@@ -28,7 +25,7 @@ class ExactScore(Estimator):
             "" if objective.value_only else "objectives that differentiate the score again stay in fp32"
         )
         params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizers = {"model": parts.make_optimizer("model", params)}
+        self.model_role = parts.make_role("model", params)
 
     def score(self, x: Tensor) -> Tensor:
         """x (B, d) -> ∇_x log p(x) (B, d), differentiable in x and θ."""
@@ -38,7 +35,7 @@ class ExactScore(Estimator):
         """batch (B, ...) -> {"loss": mean objective (0-d)}."""
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
-        apply_update(self.optimizers["model"], loss)
+        self.model_role.update(loss)
         return {"loss": loss.detach()}
 
 

@@ -8,10 +8,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core import distributed
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Parts, ScoreObjective
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError, Parts, ScoreObjective, option, positive, world_size
 
 
 @attrs.frozen
@@ -59,7 +56,7 @@ class KSD(ScoreObjective):
 
 def build_ksd(cfg: KSDConfig, parts: Parts) -> KSD:
     """Kernelized Stein discrepancy (RBF kernel), a U-statistic over pairs of the batch."""
-    world = distributed.world_size()
+    world = world_size()
     if cfg.pairing == "halves" and parts.batch_size is not None and (parts.batch_size // world) % 2:
         shard = f" ({world} processes share [run] batch_size = {parts.batch_size})" if world > 1 else ""
         raise ConfigError(

@@ -13,9 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Parts, ScoreField, ScoreObjective
-from eblvm_core.registry import NoConfig
+from eblvm_core.plugin_api import ConfigError, NoConfig, Parts, ScoreField, ScoreObjective, option, positive
 
 
 def _leaf(x: Tensor) -> Tensor:
@@ -180,7 +178,6 @@ def build_dsm(cfg: DSMConfig, parts: Parts) -> DSM:
 
 def build_mdsm(cfg: MDSMConfig, parts: Parts) -> MDSM:
     """Multiscale DSM: noise levels from a linear or geometric schedule, target at the fixed σ₀."""
-    from eblvm_core.errors import ConfigError
 
     if cfg.sigma_min > cfg.sigma_max:
         raise ConfigError("objective", "sigma_min", f"{cfg.sigma_min} exceeds sigma_max = {cfg.sigma_max}")

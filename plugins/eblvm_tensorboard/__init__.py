@@ -7,9 +7,7 @@ from pathlib import Path
 import attrs
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Logger
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import Logger, hookimpl, option, positive
 
 
 @attrs.frozen

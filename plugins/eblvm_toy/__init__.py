@@ -5,9 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import DataSplits, Parts
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import DataSplits, Parts, hookimpl, option, positive
 
 
 @attrs.frozen

@@ -5,7 +5,7 @@ read (``eblvm validate`` too), in one line naming its [[log]] section and the pi
 
 from __future__ import annotations
 
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import hookimpl
 
 from .csv_logger import CSVConfig, CSVLogger, build_csv
 from .mlflow_logger import MLflowConfig, MLflowLogger, build_mlflow

@@ -12,9 +12,7 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from eblvm_core.config import option
-from eblvm_core.contracts import Logger
-from eblvm_core.rundir import METRICS
+from eblvm_core.plugin_api import METRICS, Logger, option
 
 from .common import resolved_recipe
 

@@ -18,10 +18,7 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from eblvm_core.config import option
-from eblvm_core.contracts import Logger
-from eblvm_core.errors import ConfigError
-from eblvm_core.rundir import RECIPE, hyperparameters
+from eblvm_core.plugin_api import RECIPE, ConfigError, Logger, hyperparameters, option
 
 from .common import Guard, RunFile, first_line, image_array, log_section, resolved_recipe, run_label
 

@@ -16,10 +16,7 @@ from urllib.parse import urlsplit
 import attrs
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Logger
-from eblvm_core.errors import ConfigError
-from eblvm_core.rundir import RECIPE
+from eblvm_core.plugin_api import RECIPE, ConfigError, Logger, option, positive
 
 from .common import Guard, RunFile, first_line, image_array, log_section, resolved_recipe, run_label
 

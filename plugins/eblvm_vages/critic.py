@@ -14,9 +14,17 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import EnergyModel, EvalResult, Parts, Posterior, exact_score
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import (
+    ConfigError,
+    EnergyModel,
+    EvalResult,
+    Parts,
+    Posterior,
+    exact_score,
+    non_negative,
+    option,
+    positive,
+)
 
 
 @attrs.frozen

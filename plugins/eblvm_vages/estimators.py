@@ -20,11 +20,20 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.bilevel import condition_on, fit_posterior
-from eblvm_core.config import non_negative, option, positive
-from eblvm_core.contracts import Conditioned, EnergyModel, Estimator, Parts, Posterior, ScoreObjective
-from eblvm_core.errors import ConfigError
-from eblvm_core.optim import apply_update
+from eblvm_core.plugin_api import (
+    Conditioned,
+    ConfigError,
+    EnergyModel,
+    Estimator,
+    Parts,
+    Posterior,
+    ScoreObjective,
+    condition_on,
+    fit_posterior,
+    non_negative,
+    option,
+    positive,
+)
 
 
 def joint_scores(model: EnergyModel, x: Tensor, h: Tensor, graph: bool = True) -> tuple[Tensor, Tensor]:
@@ -150,10 +159,8 @@ class VariationalScore(Estimator):
         self.precisions = ("fp32", "bf16") if continuous else ("fp32",)
         self.precision_note = "" if continuous else "bf16 needs continuous (gaussian) latents"
         self.theta = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizers = {
-            "model": parts.make_optimizer("model", self.theta),
-            "posterior": parts.make_optimizer("posterior", [p for p in self.posterior.parameters() if p.requires_grad]),
-        }
+        self.model_role = parts.make_role("model", self.theta)
+        self.posterior_role = parts.make_role("posterior", [p for p in self.posterior.parameters() if p.requires_grad])
 
     def fit_posterior(
         self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
@@ -165,7 +172,7 @@ class VariationalScore(Estimator):
             self.divergence,
             self.model if energy is None else energy,
             self.posterior,
-            self.optimizers["posterior"],
+            self.posterior_role,
             x,
             self.cfg.inner_steps,
             weights,
@@ -232,7 +239,7 @@ class VariationalScore(Estimator):
         else:
             h_z, h = None, self.posterior_samples(x, lower)
         surrogate, value = self.surrogate(points, context, h, whole, h_z)
-        apply_update(self.optimizers["model"], surrogate)
+        self.model_role.update(surrogate)
         metrics["loss"] = value
         return metrics
 
@@ -284,9 +291,7 @@ class ImportanceScore(Estimator):
                 "estimator", "kind", "is-score uses uniform Bernoulli proposals: the model needs Bernoulli h"
             )
         self.n_samples, self.m = n_samples, latent.dim
-        self.optimizers = {
-            "model": parts.make_optimizer("model", [p for p in self.model.parameters() if p.requires_grad])
-        }
+        self.model_role = parts.make_role("model", [p for p in self.model.parameters() if p.requires_grad])
 
     def score(self, x: Tensor) -> Tensor:
         """x (B, d) -> ŝ(x) (B, d), differentiable in x and θ; fresh proposals each call."""
@@ -303,7 +308,7 @@ class ImportanceScore(Estimator):
     def step(self, batch: Tensor) -> dict[str, float]:
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
-        apply_update(self.optimizers["model"], loss)
+        self.model_role.update(loss)
         return {"loss": loss.detach()}
 
 

@@ -11,8 +11,8 @@ import torch
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
 from eblvm_core.graphs import graph_refusal
-from eblvm_core.optim import apply_update, take_mean_grad_norm
 from eblvm_core.recipe import load_recipe
+from eblvm_core.roles import Precision, TrainingRole
 from tests.support import RECIPES, poison_at
 
 CUDA = torch.device("cuda")  # only named: graph_refusal decides without touching a device
@@ -21,7 +21,9 @@ CUDA = torch.device("cuda")  # only named: graph_refusal decides without touchin
 def refusal(recipe: str, overrides: list[str] = (), device=CUDA, world=1, precision="fp32") -> str | None:
     seed_everything(0)
     built = build(load_recipe(RECIPES / recipe, list(overrides)), torch.device("cpu"))
-    return graph_refusal(built.parts.estimator, built.schedules, device, world, precision)
+    return graph_refusal(
+        built.parts.estimator.graph_safe, built.roles, device, world, Precision(precision, device.type)
+    )
 
 
 @pytest.mark.parametrize(
@@ -67,7 +69,7 @@ def test_the_deep_steps_with_their_schedules_may_be_captured(case):
         ("grbm_bissm.toml", [], {"device": torch.device("cpu")}, "not a CUDA device"),
         ("grbm_bissm.toml", [], {"world": 2}, "several processes"),
         ("grbm_dsm.toml", [], {"precision": "fp16"}, "precision fp16 scales the loss with a GradScaler"),
-        ("grbm_bism_implicit.toml", [], {}, "BiSMImplicit) does not declare"),
+        ("grbm_bism_implicit.toml", [], {}, "the estimator does not declare its step graph-safe"),
         ("grbm_cd.toml", [], {}, "does not declare"),
         (
             "grbm_ssm.toml",
@@ -84,23 +86,23 @@ def test_a_step_that_cannot_be_captured_is_refused_with_the_reason(recipe, overr
 def test_an_unfused_adam_is_refused():
     seed_everything(0)
     built = build(load_recipe(RECIPES / "grbm_bissm.toml"), torch.device("cpu"))
-    estimator = built.parts.estimator
-    assert graph_refusal(estimator, built.schedules, CUDA, 1, "fp32") is None
-    estimator.optimizers["posterior"].param_groups[0]["fused"] = False
-    assert "Adam of role 'posterior' is not the fused one" in graph_refusal(estimator, built.schedules, CUDA, 1, "fp32")
+    safe, fp32 = built.parts.estimator.graph_safe, Precision("fp32", "cuda")
+    assert graph_refusal(safe, built.roles, CUDA, 1, fp32) is None
+    built.roles["posterior"].optimizer.param_groups[0]["fused"] = False
+    assert "Adam of role 'posterior' is not the fused one" in graph_refusal(safe, built.roles, CUDA, 1, fp32)
 
 
 def test_the_logged_gradient_norm_is_the_mean_since_the_last_log_kept_in_one_tensor():
     p = torch.zeros(3, requires_grad=True)
-    optimizer = torch.optim.SGD([p], lr=0.1)
-    apply_update(optimizer, (torch.tensor([3.0, 4.0, 0.0]) * p).sum())  # gradient norm 5
-    apply_update(optimizer, (torch.tensor([0.0, 0.0, 1.0]) * p).sum())  # gradient norm 1
-    stats = optimizer.grad_norm_stats
-    assert take_mean_grad_norm(optimizer) == pytest.approx(3.0)
-    assert take_mean_grad_norm(optimizer) is None
-    apply_update(optimizer, (torch.tensor([0.0, 2.0, 0.0]) * p).sum())
-    assert take_mean_grad_norm(optimizer) == pytest.approx(2.0)
-    assert optimizer.grad_norm_stats is stats  # reset in place: a captured step keeps adding to it
+    role = TrainingRole("model", torch.optim.SGD([p], lr=0.1))
+    role.update((torch.tensor([3.0, 4.0, 0.0]) * p).sum())  # gradient norm 5
+    role.update((torch.tensor([0.0, 0.0, 1.0]) * p).sum())  # gradient norm 1
+    stats = role._norms[0]
+    assert role.take_mean_grad_norm() == pytest.approx(3.0)
+    assert role.take_mean_grad_norm() is None
+    role.update((torch.tensor([0.0, 2.0, 0.0]) * p).sum())
+    assert role.take_mean_grad_norm() == pytest.approx(2.0)
+    assert role._norms[0] is stats  # reset in place: a captured step keeps adding to it
 
 
 # ---- the loop around the step: metric sums, the NaN guard's sentinel, the batch drawn ahead -------

@@ -96,21 +96,57 @@ def test_working_on_saved_runs_needs_no_training_loop(module):
         assert not {"eblvm_core.trainer", "eblvm_core.session"} & imported, imported
 
 
-def test_plugins_import_no_other_plugin_and_no_training_machinery():
-    plugin_dirs = sorted(p for p in (ROOT / "plugins").iterdir() if p.is_dir() and p.name.startswith("eblvm_"))
-    names = {p.name for p in plugin_dirs}
-    forbidden = {"eblvm_core.trainer", "eblvm_core.session", "eblvm_core.cli", "eblvm_core.compare"}
-    for plugin in plugin_dirs:
-        for path in plugin.rglob("*.py"):
+PLUGIN_API = "eblvm_core.plugin_api"
+ENGINE = {"eblvm_core.trainer", "eblvm_core.session", "eblvm_core.build", "eblvm_core.state", "eblvm_core.cli"}
+
+
+def plugin_packages() -> list[Path]:
+    """Every bundled plugin package and the example third-party plugin's."""
+    bundled = sorted(p for p in (ROOT / "plugins").iterdir() if p.is_dir() and p.name.startswith("eblvm_"))
+    return [*bundled, ROOT / "examples" / "eblvm-renyi" / "eblvm_renyi"]
+
+
+def core_imports(path: Path) -> list[str]:
+    """The eblvm_core modules a file imports, anywhere in it (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            mods = [node.module] if node.module != "eblvm_core" else [f"eblvm_core.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            mods = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [mod for mod in mods if mod.split(".")[0] == "eblvm_core"]
+    return found
+
+
+def test_plugins_import_the_core_through_the_plugin_api_alone_and_no_other_plugin():
+    packages = plugin_packages()
+    names = {p.name for p in packages}
+    for package in packages:
+        for path in package.rglob("*.py"):
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    mods = [node.module]
+                    tops = [node.module.split(".")[0]]
                 elif isinstance(node, ast.Import):
-                    mods = [alias.name for alias in node.names]
+                    tops = [alias.name.split(".")[0] for alias in node.names]
                 else:
                     continue
-                for mod in mods:
-                    top = mod.split(".")[0]
-                    assert top not in names or top == plugin.name, f"{path}: imports plugin {top}"
-                    assert mod not in forbidden, f"{path}: imports {mod}"
+                for top in tops:
+                    assert top not in names or top == package.name, f"{path}: imports plugin {top}"
+            wrong = [mod for mod in core_imports(path) if mod != PLUGIN_API]
+            assert not wrong, f"{path}: imports {wrong}; a plugin imports the core through {PLUGIN_API} alone"
+
+
+def test_the_plugin_api_reaches_no_training_machinery():
+    graph = core_graph()
+    reached = below(graph, PLUGIN_API) | {PLUGIN_API}
+    assert not ENGINE & reached, ENGINE & reached
+
+
+def test_the_layer_check_sees_a_plugin_that_reaches_past_the_plugin_api(tmp_path):
+    """The control: a file importing a core module directly, at the top or inside a function, is seen."""
+    path = tmp_path / "plugin.py"
+    path.write_text("from eblvm_core.plugin_api import Parts\n\ndef f():\n    from eblvm_core import distributed\n")
+    assert core_imports(path) == [PLUGIN_API, "eblvm_core.distributed"]

@@ -1,4 +1,4 @@
-"""apply_update's shortcuts against torch's own code: the direct fused-Adam kernel call steps
+"""A role's update against torch's own code: the direct fused-Adam kernel call steps
 exactly as ``Adam.step`` does, and stands aside whenever ``step`` would do something else; the
 gradient norm and its running statistics equal torch's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eblvm_core.optim import apply_update, fused_adam_step_on_cpu, take_mean_grad_norm, total_norm
+from eblvm_core.roles import TrainingRole, fused_adam_step_on_cpu, total_norm
 
 
 def twin_params(seed: int = 0) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -98,11 +98,11 @@ def test_the_direct_kernel_stands_aside_where_adam_step_would_do_more():
     assert refused(scheduled)
 
 
-def test_apply_update_takes_the_same_steps_as_zero_grad_backward_step():
+def test_a_roles_update_takes_the_same_steps_as_zero_grad_backward_step():
     ours, theirs = twin_params(1)
-    opt_ours, opt_theirs = torch.optim.Adam(ours, fused=True), torch.optim.Adam(theirs, fused=True)
+    role, opt_theirs = TrainingRole("model", torch.optim.Adam(ours, fused=True)), torch.optim.Adam(theirs, fused=True)
     for t in range(4):
-        norm = apply_update(opt_ours, loss_of(ours, t))
+        norm = role.update(loss_of(ours, t))
         opt_theirs.zero_grad(set_to_none=True)
         loss_of(theirs, t).backward()
         for p in theirs:
@@ -118,7 +118,34 @@ def test_total_norm_and_the_logged_mean_equal_torchs():
     grads = [torch.randn(3, 4), torch.randn(7), torch.zeros(2)]
     assert torch.equal(total_norm(grads), torch.nn.utils.get_total_norm(grads))
     p = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([p], lr=0.1)
-    norms = [float(apply_update(opt, (p * k).sum())) for k in (1.0, 2.0, 4.0)]
-    assert take_mean_grad_norm(opt) == pytest.approx(sum(norms) / 3, rel=1e-6)
-    assert take_mean_grad_norm(opt) is None  # reset after reading
+    role = TrainingRole("model", torch.optim.SGD([p], lr=0.1))
+    assert role.take_mean_grad_norm() is None  # no update yet
+    norms = [float(role.update((p * k).sum())) for k in (1.0, 2.0, 4.0)]
+    assert role.take_mean_grad_norm() == pytest.approx(sum(norms) / 3, rel=1e-6)
+    assert role.take_mean_grad_norm() is None  # reset after reading
+
+
+def test_nothing_is_stored_on_a_torch_optimizer():
+    """A role keeps its clipping, schedule, scaler, average and gradient statistics itself: after a
+    few BiSM steps (clipped, scheduled, averaged) each role's optimizer holds no attribute that
+    torch's own optimizer, stepped the same number of times, lacks."""
+    from eblvm_core.build import build
+    from eblvm_core.recipe import load_recipe
+    from tests.support import RECIPES
+
+    overrides = ["optim.model.max_grad_norm=1.0", 'optim.model.schedule.kind="cosine"', "optim.posterior.ema=0.9"]
+    built = build(load_recipe(RECIPES / "grbm_bissm.toml", [*overrides, "~eval"]), torch.device("cpu"))
+    batch = built.parts.data.tensor("train", 32)
+    for step in range(3):
+        for role in built.roles.values():
+            role.set_lr(step, 10, 10)
+        built.parts.estimator.step(batch)
+    for name, role in built.roles.items():
+        params = [torch.nn.Parameter(p.detach().clone()) for p in role.params]
+        reference = type(role.optimizer)(params, **role.optimizer.defaults)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            reference.step()
+        extra = set(vars(role.optimizer)) - set(vars(reference))
+        assert not extra, f"role '{name}': attributes stored on its torch optimizer: {sorted(extra)}"

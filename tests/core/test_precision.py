@@ -174,18 +174,14 @@ def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, ba
     """One step of ``case`` from seed 0's parameters and the step's own seed ``seed``:
     (estimator, every gradient handed to an optimizer as a flat float32 vector, metrics as
     floats, the objective's (points, context) or None). Nothing is stepped."""
-    import importlib
-    import sys
-
-    from eblvm_core.optim import optimizer_params
-    from eblvm_core.trainer import step_precision
+    from eblvm_core.roles import Precision, TrainingRole
 
     recipe, overrides, _, _ = DEEP_CASES[case]
     estimator, batch = built_step(recipe, overrides, device, batch_size)
     gradients: list[torch.Tensor] = []
 
-    def record(optimizer, loss=None):
-        params = [p for p in optimizer_params(optimizer) if p.requires_grad]
+    def record(role, loss=None):
+        params = [p for p in role.params if p.requires_grad]
         grads = torch.autograd.grad(loss, params, allow_unused=True) if loss is not None else [p.grad for p in params]
         gradients.append(
             torch.cat([(torch.zeros_like(p) if g is None else g).float().flatten() for p, g in zip(params, grads)])
@@ -202,17 +198,14 @@ def recorded_step(case: str, device: torch.device, bf16: bool, seed: int = 1, ba
             return points["x"], points["context"]
 
         objective.points = recording_points
-    modules = [sys.modules[type(estimator).__module__], importlib.import_module("eblvm_core.bilevel")]
-    saved = [module.apply_update for module in modules]
-    for module in modules:
-        module.apply_update = record
+    update = TrainingRole.update
+    TrainingRole.update = record
     try:
         torch.manual_seed(seed)
-        with step_precision(device.type, "bf16" if bf16 else "fp32"):
+        with Precision("bf16" if bf16 else "fp32", device.type).autocast():
             metrics = estimator.step(batch)
     finally:
-        for module, original in zip(modules, saved):
-            module.apply_update = original
+        TrainingRole.update = update
     return estimator, gradients, {k: float(v) for k, v in metrics.items()}, points or None
 
 
@@ -290,7 +283,7 @@ def test_the_bf16_comparison_tells_another_step_apart(case):
 def test_the_step_precision_region_runs_each_forward_at_the_current_weights():
     """Inside the trainer's bf16 region a layer run after an in-place update of its weight uses
     the new weight; torch's default autocast (weight cache on) keeps the cast made before."""
-    from eblvm_core.trainer import step_precision
+    from eblvm_core.roles import Precision
 
     torch.manual_seed(0)
     layer, x = nn.Linear(8, 8), torch.randn(4, 8)
@@ -305,7 +298,7 @@ def test_the_step_precision_region_runs_each_forward_at_the_current_weights():
             layer.weight.sub_(1.0)
         return before, after
 
-    before, after = outputs(step_precision("cpu", "bf16"))
+    before, after = outputs(Precision("bf16", "cpu").autocast())
     expected = before + x.sum(1, keepdim=True)  # (W + 1)x + b = Wx + b + Σx
     assert torch.allclose(after.float(), expected.float(), rtol=0.02, atol=0.05)
     cached_before, cached_after = outputs(torch.autocast("cpu", dtype=torch.bfloat16))
@@ -318,14 +311,16 @@ def applied_step_updates(region, seed: int) -> dict[str, torch.Tensor]:
     overrides = ["estimator.inner_steps=5", "optim.posterior.lr=1e-2"]
     estimator, batch = built_step("digits_bimdsm.toml", overrides, torch.device("cpu"), 32)
 
-    def flat(opt) -> torch.Tensor:
-        return torch.cat([p.detach().flatten().clone() for group in opt.param_groups for p in group["params"]])
+    roles = {"model": estimator.model_role, "posterior": estimator.posterior_role}
 
-    before = {role: flat(opt) for role, opt in estimator.optimizers.items()}
+    def flat(role) -> torch.Tensor:
+        return torch.cat([p.detach().flatten().clone() for p in role.params])
+
+    before = {name: flat(role) for name, role in roles.items()}
     torch.manual_seed(seed)
     with region:
         estimator.step(batch)
-    return {role: flat(opt) - before[role] for role, opt in estimator.optimizers.items()}
+    return {name: flat(role) - before[name] for name, role in roles.items()}
 
 
 @pytest.mark.parametrize("seed", [1, 4])
@@ -336,10 +331,10 @@ def test_a_bf16_step_takes_each_lower_step_at_the_updated_posterior(seed):
     is near 0 take bf16's rounding at full size). With autocast's weight cache on (torch's
     default, the trainer's region before this test), every lower step after the first ran q at the
     φ of the step's start: 88-94% and 129-137% off."""
-    from eblvm_core.trainer import step_precision
+    from eblvm_core.roles import Precision
 
     fp32 = applied_step_updates(contextlib.nullcontext(), seed)
-    bf16 = applied_step_updates(step_precision("cpu", "bf16"), seed)
+    bf16 = applied_step_updates(Precision("bf16", "cpu").autocast(), seed)
     cached = applied_step_updates(torch.autocast("cpu", dtype=torch.bfloat16), seed)
 
     def error(update: dict[str, torch.Tensor], role: str) -> float:

@@ -127,7 +127,7 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
             assert math.isfinite(record[f"train/grad_norm/{role}"]) and record[f"train/grad_norm/{role}"] > 0
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
     assert set(state["networks"]) == {"model", "posterior", "generator"}
-    assert set(state["optimizers"]) == {"energy", "encoder", "generator"}
+    assert set(state["roles"]) == {"energy", "encoder", "generator"}
     assert state["estimator"] == {"steps": 40} and "eval/generator-norm/norm" in results
 
 
@@ -166,10 +166,11 @@ def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, t
         for key, value in a["networks"][section].items():
             assert torch.equal(value, b["networks"][section][key]), (section, key)
     for role in ("energy", "encoder", "generator"):
-        for index, values in a["optimizers"][role]["state"].items():
+        ours, theirs = a["roles"][role]["optimizer"], b["roles"][role]["optimizer"]
+        for index, values in ours["state"].items():
             for key, value in values.items():
-                assert torch.equal(value, b["optimizers"][role]["state"][index][key]), (role, index, key)
-        assert a["optimizers"][role]["param_groups"][0]["lr"] == b["optimizers"][role]["param_groups"][0]["lr"]
+                assert torch.equal(value, theirs["state"][index][key]), (role, index, key)
+        assert ours["param_groups"][0]["lr"] == theirs["param_groups"][0]["lr"]
 
 
 @pytest.mark.parametrize(
@@ -201,7 +202,7 @@ def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
     text = RECIPE.replace('kind = "sgd"\nlr = 1e-2', 'kind = "sgd"\nlr = 1e-2\nema = 0.8')
     run_dir, results = run(write_recipe(text, "ema.toml"), out=tmp_path / "runs", echo=lambda _line: None)
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
-    averaged = torch.cat([t.flatten() for t in state["ema"]["generator"]]).norm()
+    averaged = torch.cat([t.flatten() for t in state["roles"]["generator"]["ema"]]).norm()
     live = torch.cat([t.flatten() for t in state["networks"]["generator"].values()]).norm()
     assert results["eval/generator-norm/norm"] == pytest.approx(float(averaged), rel=1e-6)
     assert abs(float(averaged) - float(live)) > 1e-4
@@ -213,7 +214,8 @@ def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
 def test_reduced_precision_runs_and_checkpoints_its_scalers(write_recipe, tmp_path, precision):
     run_dir, results = train(write_recipe, tmp_path, f'run.precision="{precision}"')
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
-    assert set(state["scalers"]) == ({"energy", "encoder", "generator"} if precision == "fp16" else set())
+    scaled = {name for name, role in state["roles"].items() if "scaler" in role}
+    assert scaled == ({"energy", "encoder", "generator"} if precision == "fp16" else set())
     assert all(torch.isfinite(t).all() for net in state["networks"].values() for t in net.values())
 
 

@@ -16,16 +16,18 @@ import torch
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
 from eblvm_core.graphs import scheduled_rates
-from eblvm_core.optim import Cosine, CosineConfig, RateTensors, apply_update, device_rate, fused_adam_step_on_cpu
+from eblvm_core.optim import Cosine, CosineConfig, RateTensors
 from eblvm_core.recipe import load_recipe
+from eblvm_core.roles import TrainingRole, device_rate, fused_adam_step_on_cpu
 from tests.support import RECIPES
 
 STEPS = 40
 SCHEDULE = Cosine(CosineConfig(warmup_steps=5, min_lr=1e-5))
 
 
-def make(kind: str) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
-    """Two parameter tensors (in two param groups, the second at twice the rate) and an optimizer.
+def make(kind: str) -> tuple[list[torch.nn.Parameter], TrainingRole]:
+    """Two parameter tensors (in two param groups, the second at twice the rate) and a role stepping
+    them on SCHEDULE.
     1,040 numbers: a rate and its float32 rounding part an Adam step in a few percent of the numbers,
     so the control below needs hundreds of them on any CPU (28 parted none on one)."""
     gen = torch.Generator().manual_seed(0)
@@ -38,8 +40,7 @@ def make(kind: str) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
         optimizer = torch.optim.Adam(groups, lr=3e-3, betas=(0.9, 0.95), weight_decay=1e-4, fused=True)
     else:
         optimizer = torch.optim.SGD(groups, lr=3e-2, momentum=0.9, weight_decay=1e-4)
-    optimizer.base_lrs = [group["lr"] for group in optimizer.param_groups]
-    return params, optimizer
+    return params, TrainingRole("model", optimizer, SCHEDULE)
 
 
 def loss_of(params: list[torch.nn.Parameter], t: int) -> torch.Tensor:
@@ -52,15 +53,14 @@ def train(kind: str, rates: str) -> tuple[list[torch.nn.Parameter], torch.optim.
     the trainer rounds it on CUDA), "unrounded" (the schedule's number itself, as on the CPU),
     "tensor" (RateTensors written before each step and installed during it, as a captured step
     reads them) or "stale" (the tensor written once, at the first step's rate)."""
-    params, optimizer = make(kind)
+    params, role = make(kind)
+    optimizer = role.optimizer
     tensors = RateTensors([optimizer]) if rates in ("tensor", "stale") else None
     seen = []
     for t in range(STEPS):
-        for group, base in zip(optimizer.param_groups, optimizer.base_lrs):
-            lr = SCHEDULE.lr(base, t, STEPS, 10)
-            group["lr"] = lr if rates == "unrounded" else device_rate(lr)
+        role.set_lr(t, STEPS, 10, device_rates=rates != "unrounded")
         if tensors is None:
-            apply_update(optimizer, loss_of(params, t))
+            role.update(loss_of(params, t))
             continue
         if rates == "tensor" or t == 0:
             tensors.write()
@@ -68,7 +68,7 @@ def train(kind: str, rates: str) -> tuple[list[torch.nn.Parameter], torch.optim.
             assert all(group["lr"] is tensor for (group, tensor) in tensors.slots)
             if kind == "adam" and t:  # the CPU fast path stands aside for a tensor rate: torch's own step runs
                 assert not fused_adam_step_on_cpu(optimizer)
-            apply_update(optimizer, loss_of(params, t))
+            role.update(loss_of(params, t))
         assert all(isinstance(group["lr"], float) for group in optimizer.param_groups)
         seen.append(float(tensors.slots[0][1]))
     return params, optimizer, seen
@@ -84,7 +84,7 @@ def test_a_rate_tensor_updated_in_place_steps_as_the_float_rate(kind):
         state_f, state_t = opt_f.state[a], opt_t.state[b]
         assert state_f.keys() == state_t.keys()
         assert all(torch.equal(state_f[k], state_t[k]) for k in state_f)
-    base = opt_f.base_lrs[0]
+    base = 3e-3 if kind == "adam" else 3e-2
     assert seen == [device_rate(SCHEDULE.lr(base, t, STEPS, 10)) for t in range(STEPS)]  # the schedule's formula
     assert len(set(seen)) == STEPS - 1  # a new rate every step (the warm-up's last and the decay's first are
     # both the base rate): the comparison would see a stale one
@@ -111,7 +111,8 @@ def test_fused_adam_needs_the_rounded_rate_to_step_as_the_tensor_does():
 
 
 def test_rate_tensors_are_written_in_place_and_only_when_the_rate_changes():
-    _, optimizer = make("adam")
+    _, role = make("adam")
+    optimizer = role.optimizer
     rates = RateTensors([optimizer])
     tensors = [tensor for _, tensor in rates.slots]
     pointers = [t.data_ptr() for t in tensors]
@@ -139,27 +140,23 @@ def test_rate_tensors_cover_the_scheduled_roles_only():
     seed_everything(0)
     spec = load_recipe(RECIPES / "grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'])
     built = build(spec, torch.device("cpu"))
-    optimizers = built.parts.estimator.optimizers
-    rates = scheduled_rates(optimizers, built.schedules)
-    assert [group for group, _ in rates.slots] == optimizers["model"].param_groups
-    assert scheduled_rates(optimizers, {role: built.schedules["posterior"] for role in optimizers}) is None
+    rates = scheduled_rates(built.roles)
+    assert [group for group, _ in rates.slots] == built.roles["model"].optimizer.param_groups
+    unscheduled = load_recipe(RECIPES / "grbm_bissm.toml")
+    assert scheduled_rates(build(unscheduled, torch.device("cpu")).roles) is None
 
 
 @pytest.mark.parametrize("device, rounded", [("cpu", False), ("cuda", True)])
-def test_the_trainer_rounds_scheduled_rates_to_float32_on_cuda_only(tmp_path, device, rounded):
+def test_the_trainer_rounds_scheduled_rates_to_float32_on_cuda_only(device, rounded):
     """On a CUDA device a scheduled rate is the float32 its rate tensor holds, in replayed and eager
     steps alike; on the CPU the schedule's float itself (the CPU runs stay bit-identical). A
     constant rate is never rounded."""
-    from eblvm_core.trainer import Trainer
-
     seed_everything(0)
     spec = load_recipe(RECIPES / "grbm_bissm.toml", ['optim.model.schedule.kind="cosine"', "optim.posterior.lr=0.1"])
-    built = build(spec, torch.device("cpu"))
-    trainer = Trainer(spec, built, tmp_path, echo=lambda _: None)
-    trainer.parts.device = torch.device(device)  # set_learning_rates touches no device
-    trainer.step = 7
-    trainer.set_learning_rates()
-    model, posterior = trainer.optimizers["model"], trainer.optimizers["posterior"]
-    exact = built.schedules["model"].lr(model.base_lrs[0], 7, spec.run.steps, trainer.batches.steps_per_epoch)
-    assert model.param_groups[0]["lr"] == (device_rate(exact) if rounded else exact) and exact != device_rate(exact)
-    assert posterior.param_groups[0]["lr"] == 0.1  # constant: the number the recipe gives
+    roles = build(spec, torch.device("cpu")).roles
+    for role in roles.values():
+        role.set_lr(7, spec.run.steps, 20, device_rates=device == "cuda")  # what the trainer does on the device
+    model, posterior = roles["model"], roles["posterior"]
+    exact = model.schedule.lr(model.base_lrs[0], 7, spec.run.steps, 20)
+    assert model.lr == (device_rate(exact) if rounded else exact) and exact != device_rate(exact)
+    assert posterior.lr == 0.1  # constant: the number the recipe gives

@@ -43,8 +43,8 @@ def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def assert_same_parameters(a_dir: Path, b_dir: Path) -> None:
     a, b = (ckpt.load(ckpt.last_checkpoint(d)) for d in (a_dir, b_dir))
-    ta = tensors({k: a[k] for k in ("networks", "optimizers", "ema")})
-    tb = tensors({k: b[k] for k in ("networks", "optimizers", "ema")})
+    ta = tensors({k: a[k] for k in ("networks", "roles")})
+    tb = tensors({k: b[k] for k in ("networks", "roles")})
     assert ta.keys() == tb.keys() and ta
     for key in ta:
         assert torch.equal(ta[key], tb[key]), key

@@ -35,7 +35,7 @@ class ScriptedConfig:
 
 def training_step(parts: Parts) -> int:
     """The number of steps the model's Adam has taken: the training step, restored on resume."""
-    state = parts.estimator.optimizers["model"].state
+    state = parts.roles["model"].optimizer.state
     return int(next(iter(state.values()))["step"]) if state else 0
 
 

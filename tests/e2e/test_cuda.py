@@ -198,19 +198,19 @@ def test_a_graph_replayed_step_trains_as_the_eager_step_does(recipe, overrides, 
 
 def test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_on_a_new_shape():
     from eblvm_core.graphs import WARMUP_STEPS, GraphedStep
-    from eblvm_core.optim import apply_update
+    from eblvm_core.roles import TrainingRole
 
     def trainer():
         p = torch.zeros(3, device=CUDA, requires_grad=True)
-        opt = torch.optim.Adam([p], lr=0.1, fused=True)
+        role = TrainingRole("model", torch.optim.Adam([p], lr=0.1, fused=True))
 
         def step(batch):
             noise = torch.randn(3, device=CUDA)
             loss = ((p - batch[:3] - noise) ** 2).sum()
-            apply_update(opt, loss)
+            role.update(loss)
             return {"loss": loss.detach(), "noise": noise.clone()}
 
-        return p, opt, step
+        return p, role, step
 
     def offset() -> int:  # the default generator's Philox offset after a call
         torch.cuda.synchronize()
@@ -221,9 +221,9 @@ def test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_
     p_eager, _, eager = trainer()
     eager_calls = [(eager(b), offset()) for b in batches]
     torch.manual_seed(0)
-    p_graph, opt, step = trainer()
+    p_graph, role, step = trainer()
     told: list[str] = []
-    graphed = GraphedStep(step, {"model": opt}, told.append)
+    graphed = GraphedStep(step, {"model": role}, told.append)
     graph_calls = []
     for i, b in enumerate(batches):
         metrics = graphed(b)
@@ -247,22 +247,22 @@ def test_graphed_step_replays_the_eager_updates_and_random_draws_and_falls_back_
 
 def test_a_step_returning_python_numbers_is_never_captured():
     from eblvm_core.graphs import GraphedStep
-    from eblvm_core.optim import apply_update
+    from eblvm_core.roles import TrainingRole
 
     p = torch.zeros(3, device=CUDA, requires_grad=True)
-    opt = torch.optim.Adam([p], lr=0.1, fused=True)
+    role = TrainingRole("model", torch.optim.Adam([p], lr=0.1, fused=True))
 
     def step(batch):
         loss = ((p - batch) ** 2).sum()
-        apply_update(opt, loss)
+        role.update(loss)
         return {"loss": float(loss)}
 
     told: list[str] = []
-    graphed = GraphedStep(step, {"model": opt}, told.append)
+    graphed = GraphedStep(step, {"model": role}, told.append)
     for _ in range(8):
         graphed(torch.ones(3, device=CUDA))
     assert graphed.graph is None and len(told) == 1 and "loss as Python numbers" in told[0]
-    assert float(opt.grad_norm_stats[1]) == 8  # every step counted, eagerly
+    assert float(role._norms[0][1]) == 8  # every step counted, eagerly
 
 
 # ---- scheduled rates and the deep steps in a CUDA graph ---------------------------------------------
@@ -335,7 +335,7 @@ def test_a_scheduled_run_replayed_from_a_cuda_graph_is_bit_identical_to_eager(ca
     """With a schedule the rate changes every step; the graph reads it from a device tensor that is
     updated in place before each replay. 100 steps end at the same bits as the eager run (whose
     scheduled rates are the same float32 values, given as numbers), and both log the same rates."""
-    from eblvm_core.optim import device_rate
+    from eblvm_core.roles import device_rate
 
     recipe, overrides = SCHEDULED[case]
     common = [*overrides, "run.steps=100", "run.log_every=10", "run.checkpoint_every=100", "run.eval_every=0"]
@@ -351,7 +351,9 @@ def test_a_scheduled_run_replayed_from_a_cuda_graph_is_bit_identical_to_eager(ca
     assert moving, rates
     assert all(r[k] == device_rate(r[k]) for r in rates for k in moving)  # float32 values, as the tensors hold
     if "sgd" in case.lower():
-        assert runs[True][0]["optimizers"]["model"]["param_groups"][0]["fused"]  # the factory's fused SGD on CUDA
+        assert runs[True][0]["roles"]["model"]["optimizer"]["param_groups"][0][
+            "fused"
+        ]  # the factory's fused SGD on CUDA
 
 
 @pytest.mark.parametrize("kind", ["adam", "sgd"])
@@ -359,7 +361,8 @@ def test_graphed_step_reads_each_steps_rate_from_its_tensor(kind):
     """GraphedStep with RateTensors: every replay uses the rate written before it; the parameters
     equal those of eager steps given the same (float32) rates as numbers, bit for bit."""
     from eblvm_core.graphs import WARMUP_STEPS, GraphedStep
-    from eblvm_core.optim import RateTensors, apply_update, device_rate
+    from eblvm_core.optim import RateTensors
+    from eblvm_core.roles import TrainingRole, device_rate
 
     def trainer():
         p = torch.zeros(5, device=CUDA, requires_grad=True)
@@ -367,24 +370,26 @@ def test_graphed_step_reads_each_steps_rate_from_its_tensor(kind):
             opt = torch.optim.Adam([p], lr=0.1, fused=True)
         else:
             opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, fused=True)
+        role = TrainingRole("model", opt)
 
         def step(batch):
             loss = ((p - batch - torch.randn(5, device=CUDA)) ** 2).sum()
-            apply_update(opt, loss)
+            role.update(loss)
             return {"loss": loss.detach()}
 
-        return p, opt, step
+        return p, role, step
 
     rates = [device_rate(0.1 * 0.8**t) for t in range(16)]
     batches = [torch.full((5,), float(t), device=CUDA) for t in range(16)]
     torch.manual_seed(0)
-    p_eager, opt, eager = trainer()
+    p_eager, role, eager = trainer()
     for rate, batch in zip(rates, batches):
-        opt.param_groups[0]["lr"] = rate
+        role.optimizer.param_groups[0]["lr"] = rate
         eager(batch)
     torch.manual_seed(0)
-    p_graph, opt, step = trainer()
-    graphed = GraphedStep(step, {"model": opt}, print, RateTensors([opt]))
+    p_graph, role, step = trainer()
+    opt = role.optimizer
+    graphed = GraphedStep(step, {"model": role}, print, RateTensors([opt]))
     for t, (rate, batch) in enumerate(zip(rates, batches)):
         opt.param_groups[0]["lr"] = rate
         graphed(batch)

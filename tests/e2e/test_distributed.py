@@ -25,7 +25,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.optim import apply_update
+from eblvm_core.roles import TrainingRole
 from tests.support import BISM, ROOT, SMALL_RECIPE
 
 TIMEOUT = 180  # seconds for any one launch; a few on a free machine
@@ -129,8 +129,7 @@ def test_helpers_are_identities_without_a_process_group():
     assert distributed.any_rank(True) and not distributed.any_rank(False)
     assert distributed.broadcast_object("x") == "x"
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    opt = torch.optim.SGD([p], lr=0.5)
-    norm = apply_update(opt, (p**2).sum())
+    norm = TrainingRole("model", torch.optim.SGD([p], lr=0.5)).update((p**2).sum())
     assert torch.equal(p.detach(), torch.tensor([0.0, 0.0])) and float(norm) == pytest.approx(20**0.5)
 
 

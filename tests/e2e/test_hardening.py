@@ -254,7 +254,7 @@ def flip_a_bit_of(path: Path, tensor: torch.Tensor) -> None:
 def test_checkpoints_carry_a_checksum_that_catches_a_flipped_bit(cli, run_copy):
     path = ckpt.last_checkpoint(run_copy)
     state = ckpt.read_checkpoint(path)
-    assert state["format"] == 3 and state["checksum"] == ckpt.checksum(state)
+    assert state["format"] == ckpt.CHECKPOINT_FORMAT and state["checksum"] == ckpt.checksum(state)
     W = state["networks"]["model"]["W"]
     flip_a_bit_of(path, W)
     flipped = ckpt.load(path)["networks"]["model"]["W"]

@@ -44,7 +44,7 @@ def test_short_run_writes_run_directory(cli, write_recipe, tmp_path):
     assert final and final[-1]["step"] == 30 and final[-1]["eval/density-plot/grid_mass"] > 0
 
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
-    assert state["step"] == 30 and set(state["optimizers"]) == {"model"}
+    assert state["step"] == 30 and set(state["roles"]) == {"model"}
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -249,12 +249,13 @@ def test_device_auto_keeps_models_below_the_measured_size_on_the_cpu():
 
     small = grbm_with_posterior(2, 4)
     expected = sum(p.numel() for net in (small.model, small.posterior) for p in net.parameters())
-    assert prefers_cpu(small) == expected
+    assert prefers_cpu(small.networks()) == expected
     small.posterior.requires_grad_(False)
-    assert prefers_cpu(small) == expected - sum(p.numel() for p in small.posterior.parameters())
-    assert prefers_cpu(grbm_with_posterior(560, 20)) is not None
+    assert prefers_cpu(small.networks()) == expected - sum(p.numel() for p in small.posterior.parameters())
+    assert prefers_cpu(grbm_with_posterior(560, 20).networks()) is not None
     frey = grbm_with_posterior(560, 400)
-    assert prefers_cpu(frey) is None and sum(p.numel() for p in frey.model.parameters()) > AUTO_GPU_MIN_PARAMETERS
+    assert prefers_cpu(frey.networks()) is None
+    assert sum(p.numel() for p in frey.model.parameters()) > AUTO_GPU_MIN_PARAMETERS
 
 
 @pytest.mark.parametrize(
@@ -262,27 +263,37 @@ def test_device_auto_keeps_models_below_the_measured_size_on_the_cpu():
     [
         ("grbm_bissm.toml", [], None),  # small, but its step is replayed from a CUDA graph
         ("grbm_bissm.toml", ["run.cuda_graph=false"], "[run] cuda_graph = false"),
-        ("grbm_bism_implicit.toml", [], "BiSMImplicit) does not declare"),
+        ("grbm_bism_implicit.toml", [], "the estimator does not declare its step graph-safe"),
+        ("grbm_cd.toml", [], "the estimator does not declare its step graph-safe"),
         ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], None),  # the rate is read from a device tensor
+        # on a CUDA device optim.sgd is the fused kernel, which reads a scheduled rate from its tensor
         (
             "grbm_ssm.toml",
             ['optim.model.kind="sgd"', "optim.model.momentum=0.9", 'optim.model.schedule.kind="cosine"'],
-            "its SGD is not the fused one",
+            None,
         ),
     ],
 )
 def test_device_auto_keeps_a_small_model_on_the_cpu_only_when_its_step_cannot_be_graph_replayed(
     recipe, overrides, on_cpu
 ):
+    """Decided from the recipe and the networks alone, before anything is placed: with a GPU in
+    view (``device`` cuda, ``auto``) a run whose step would not be replayed is built on the CPU,
+    once, without touching the GPU."""
     from eblvm_core.build import auto_on_cpu, build
     from eblvm_core.recipe import load_recipe
+    from eblvm_core.roles import Precision
 
-    spec = load_recipe(RECIPES / recipe, overrides)
-    why = auto_on_cpu(build(spec, torch.device("cpu")), spec, torch.device("cuda"))
+    spec = load_recipe(RECIPES / recipe, [*overrides, "~eval"])
+    networks = build(spec, torch.device("cpu")).parts.networks()
+    why = auto_on_cpu(spec, networks, Precision(spec.run.precision, "cuda"))
     if on_cpu is None:
         assert why is None
-    else:
-        assert why is not None and on_cpu in why and "trainable parameters" in why, why
+        return
+    assert why is not None and on_cpu in why and "trainable parameters" in why, why
+    built = build(spec, torch.device("cuda"), auto=True)
+    assert built.device == torch.device("cpu") and built.cpu_because == why
+    assert all(p.device.type == "cpu" for net in built.parts.networks().values() for p in net.parameters())
 
 
 def test_a_checkpoint_moves_to_a_device_whole():
@@ -345,7 +356,7 @@ def test_a_cpu_run_flushes_subnormal_floats_while_it_trains_and_only_then(write_
 def test_a_role_whose_gradient_stays_zero_is_reported_once(write_recipe, tmp_path, monkeypatch):
     """A role whose mean gradient norm over a log interval is exactly 0 (e.g. BiDVL's energy behind a
     saturated softplus) is named once in the run log; a run whose gradients move says nothing."""
-    from eblvm_core import trainer as trainer_module
+    from eblvm_core.roles import TrainingRole
     from eblvm_core.session import run
     from tests.support import BISM
 
@@ -354,8 +365,8 @@ def test_a_role_whose_gradient_stays_zero_is_reported_once(write_recipe, tmp_pat
     run(recipe, out=tmp_path / "alive", echo=said.append)
     assert not [line for line in said if "stopped training" in line]
 
-    real = trainer_module.take_mean_grad_norm
-    monkeypatch.setattr(trainer_module, "take_mean_grad_norm", lambda opt: 0.0 * real(opt))
+    real = TrainingRole.take_mean_grad_norm
+    monkeypatch.setattr(TrainingRole, "take_mean_grad_norm", lambda role: 0.0 * real(role))
     said.clear()
     run(recipe, out=tmp_path / "dead", echo=said.append)
     warned = [line for line in said if "stopped training" in line]
@@ -442,3 +453,28 @@ def test_call_evaluators_keys_results_announces_and_keeps_the_callers_random_str
     torch.manual_seed(0)
     assert kept.scalars == moved.scalars == {"eval/draw/u": float(torch.rand(()))}
     assert lines == ["draw: one uniform draw"] * 2
+
+
+def test_a_run_builds_its_parts_once_even_when_device_auto_falls_back_to_the_cpu(write_recipe, tmp_path, monkeypatch):
+    """With a GPU in view (``pick_device`` answers cuda) a small model whose step is not graph-safe
+    (CD) trains on the CPU: the choice is made inside the one build, before anything is placed,
+    and the run says why; nothing touches the GPU."""
+    import eblvm_core.session as session_module
+    from eblvm_core.session import run
+
+    monkeypatch.setattr(session_module, "pick_device", lambda _choice: torch.device("cuda"))
+    calls = []
+    real_build = session_module.build
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "build", counted)
+    recipe = write_recipe((RECIPES / "grbm_cd.toml").read_text())
+    said: list[str] = []
+    run_dir, _ = run(recipe, ["run.steps=20", "~eval", 'run.device="auto"'], out=tmp_path / "runs", echo=said.append)
+    assert calls == [torch.device("cuda")]
+    assert any(line.startswith("device auto:") and "training on the CPU" in line for line in said), said
+    assert "device cpu" in next(line for line in said if line.startswith("run directory:"))
+    assert json.loads((run_dir / "run.json").read_text())["sessions"][0]["device"] == "cpu"

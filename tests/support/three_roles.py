@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from eblvm_core.config import non_negative, option, positive
 from eblvm_core.contracts import EnergyModel, Estimator, EvalResult, Parts, reporting
 from eblvm_core.hookspecs import hookimpl
-from eblvm_core.optim import apply_update, optimizer_params
 
 
 def mlp(n_in: int, width: int, n_out: int) -> nn.Sequential:
@@ -90,8 +89,8 @@ class ThreeRoles(Estimator):
         self.cfg = cfg
         self.energy, self.encoder = parts.need("model", "estimator"), parts.need("posterior", "estimator")
         self.generator = parts.need("generator", "estimator")
-        self.optimizers = {
-            role: parts.make_optimizer(role, list(net.parameters()))
+        self.trained = {
+            role: parts.make_role(role, list(net.parameters()))
             for role, net in zip(self.roles, (self.energy, self.encoder, self.generator))
         }
         self.steps = 0
@@ -104,18 +103,18 @@ class ThreeRoles(Estimator):
 
     def step(self, batch: Tensor) -> dict[str, Tensor]:
         recon, kl = self.reconstruction(batch)
-        apply_update(self.optimizers["encoder"], (recon + kl).mean())
+        self.trained["encoder"].update((recon + kl).mean())
         z = torch.randn(len(batch), self.generator.latent_dim, dtype=batch.dtype, device=batch.device)
         recon, _ = self.reconstruction(batch)
         generator_loss = recon.mean() + self.energy.energy(self.generator(z)).mean()
-        apply_update(self.optimizers["generator"], generator_loss)
+        self.trained["generator"].update(generator_loss)
         real, fake = self.energy.energy(batch), self.energy.energy(self.generator(z).detach())
         loss = real.mean() - fake.mean() + self.cfg.penalty * (real**2 + fake**2).mean()
-        apply_update(self.optimizers["energy"], loss)
+        self.trained["energy"].update(loss)
         self.steps += 1
         if self.cfg.poison_role is not None and self.steps == self.cfg.poison_step:
             with torch.no_grad():
-                optimizer_params(self.optimizers[self.cfg.poison_role])[0].fill_(float("nan"))
+                self.trained[self.cfg.poison_role].params[0].fill_(float("nan"))
         return {"loss": loss.detach(), "generator_loss": generator_loss.detach()}
 
     def state_dict(self) -> dict[str, int]:

@@ -33,10 +33,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.config import option, positive
-from eblvm_core.contracts import Divergence, EnergyModel, Parts, Posterior
-from eblvm_core.errors import ConfigError
-from eblvm_core.hookspecs import hookimpl
+from eblvm_core.plugin_api import ConfigError, Divergence, EnergyModel, Parts, Posterior, hookimpl, option, positive
 
 __all__ = ["Renyi", "RenyiConfig", "build_renyi", "log_weights", "renyi_bound"]
 

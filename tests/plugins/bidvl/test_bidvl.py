@@ -16,7 +16,6 @@ from torch.distributions import Normal, kl_divergence
 
 from eblvm_core.contracts import EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.optim import optimizer_params
 from eblvm_core.testing import make
 
 F64 = torch.float64
@@ -69,7 +68,7 @@ def batch(parts: Parts, n: int = 16) -> torch.Tensor:
 
 
 def grads(parts: Parts, role: str) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in optimizer_params(parts.estimator.optimizers[role])])
+    return torch.cat([p.grad.flatten() for p in parts.roles[role].params])
 
 
 def test_gaussian_kl_matches_torch():
@@ -146,12 +145,7 @@ def test_offset_and_not_offset_lower_levels_differ_by_the_latent_reconstruction_
     z = parts.estimator.prior(len(v), v)
     term = parts.estimator.latent_reconstruction(parts.generator(z), z, through_encoder=True).mean()
     expected = torch.cat(
-        [
-            g.flatten()
-            for g in torch.autograd.grad(
-                term, optimizer_params(parts.estimator.optimizers["encoder"]), allow_unused=True
-            )
-        ]
+        [g.flatten() for g in torch.autograd.grad(term, parts.roles["encoder"].params, allow_unused=True)]
     )
     torch.testing.assert_close(grads(full, "encoder") - grads(offset, "encoder"), expected)
     assert expected.abs().max() > 1e-6  # the term is not empty
@@ -161,7 +155,7 @@ def test_not_offset_upper_level_adds_the_encoders_kl_on_generated_samples():
     results = {}
     for upper in ("offset", "not-offset"):
         parts = tiny_parts(upper)
-        for p in optimizer_params(parts.estimator.optimizers["encoder"]):
+        for p in parts.roles["encoder"].params:
             p.grad = torch.zeros_like(p)
         torch.manual_seed(3)
         parts.estimator.upper_step(batch(parts))
@@ -174,9 +168,7 @@ def test_not_offset_upper_level_adds_the_encoders_kl_on_generated_samples():
     with torch.no_grad():
         generated = parts.generator(z)
     mu, log_std = parts.posterior.params(generated)
-    expected = torch.autograd.grad(
-        gaussian_kl(mu, log_std).mean() / 3, optimizer_params(parts.estimator.optimizers["encoder"])
-    )
+    expected = torch.autograd.grad(gaussian_kl(mu, log_std).mean() / 3, parts.roles["encoder"].params)
     torch.testing.assert_close(results["not-offset"][1], torch.cat([g.flatten() for g in expected]))
 
 
@@ -185,19 +177,19 @@ def test_not_offset_upper_level_adds_the_encoders_kl_on_generated_samples():
 )
 def test_each_role_moves_only_in_its_own_level(upper, moved_by_upper):
     parts = tiny_parts(upper)
-    for opt in parts.estimator.optimizers.values():
-        for group in opt.param_groups:
+    for role in parts.roles.values():
+        for group in role.optimizer.param_groups:
             group["lr"] = 1e-2
     est, v = parts.estimator, batch(parts)
 
     def snapshot():
-        return {role: [p.detach().clone() for p in optimizer_params(opt)] for role, opt in est.optimizers.items()}
+        return {name: [p.detach().clone() for p in role.params] for name, role in parts.roles.items()}
 
     def moved(before):
         return {
-            role
-            for role, ps in before.items()
-            if any(not torch.equal(a, b) for a, b in zip(ps, optimizer_params(est.optimizers[role])))
+            name
+            for name, ps in before.items()
+            if any(not torch.equal(a, b) for a, b in zip(ps, parts.roles[name].params))
         }
 
     before = snapshot()
@@ -215,8 +207,8 @@ def test_hinge_keeps_energies_bounded_where_the_plain_form_drifts():
     ends = {}
     for upper in ("offset", "hinge"):
         parts = tiny_parts(upper, mlp=True)
-        for role, opt in parts.estimator.optimizers.items():
-            for group in opt.param_groups:
+        for role, trained in parts.roles.items():
+            for group in trained.optimizer.param_groups:
                 group["lr"] = 0.2 if role == "energy" else 0.02
         v = batch(parts, 64)
         for _ in range(120):
@@ -523,7 +515,8 @@ def test_two_updates_equal_the_released_codes_on_the_same_weights_and_draws(post
             },
         }
 
-    est.optimizers = adams(nets)
+    for role, optimizer in adams(nets).items():
+        parts.roles[role].optimizer = optimizer
     reference = adams(copies)
     v = batch(parts)
     for seed in (5, 6):

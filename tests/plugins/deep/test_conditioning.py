@@ -23,7 +23,6 @@ from eblvm_vages.estimators import VaGESConfig, VariationalScore
 from eblvm_core import distributed
 from eblvm_core.bilevel import Functional, condition_on, conjugate_gradient, flat, grads_or_zeros, sgd_step
 from eblvm_core.contracts import Conditioned, DataSplits, EnergyModel, Parts, energies
-from eblvm_core.optim import apply_update
 from eblvm_core.testing import make
 from tests.plugins.bism.test_bism import grbm_parts
 
@@ -409,7 +408,7 @@ def algorithm_1_step(est: BiSMUnrolled, batch: torch.Tensor) -> None:
     model, posterior, divergence = est.model, est.posterior, est.divergence
     x, context = est.objective.points(batch)
     for _ in range(est.inner_steps):
-        apply_update(est.optimizers["posterior"], divergence(model, posterior, x).mean())
+        est.posterior_role.update(divergence(model, posterior, x).mean())
     functional, params = Functional(posterior), est.phi
     for n in range(est.unroll_steps):
         lower = functional.call(params, lambda: divergence(model, posterior, x).mean()) if n else None
@@ -418,7 +417,7 @@ def algorithm_1_step(est: BiSMUnrolled, batch: torch.Tensor) -> None:
     upper = functional.call(params, lambda: est.objective.loss(modified_score(model, posterior), x, context).mean())
     for p, g in zip(est.theta, grads_or_zeros(upper, est.theta)):
         p.grad = g
-    apply_update(est.optimizers["model"], None)
+    est.model_role.update()
 
 
 def test_a_model_without_the_capability_takes_the_path_it_always_took():

@@ -209,7 +209,7 @@ def test_vnce_step_trains_the_posterior_and_the_model():
     assert all(math.isfinite(float(v)) for v in metrics.values())
     assert not torch.equal(parts.model.W, w_before)
     assert all(not torch.equal(a, b) for a, b in zip(parts.posterior.parameters(), q_before))
-    assert set(estimator.optimizers) == {"model", "posterior"}
+    assert set(parts.roles) == {"model", "posterior"}
 
 
 def test_refusals_name_the_estimator_section():

@@ -1,0 +1,334 @@
+"""Training roles: each set of parameters an estimator trains (``model`` and ``posterior``; BiDVL's
+``energy``, ``encoder`` and ``generator``) is one ``TrainingRole`` that owns its optimizer, its
+learning-rate schedule, its gradient clipping, its gradient scaler (fp16), its parameter average
+(EMA) and the statistics of its gradient norms, with one ``state_dict`` for all of it.
+``TrainingRole.update`` is the one way parameters change. ``Precision`` is ``[run] precision`` on
+a device: the autocast a training step runs in and the scaler each role gets."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import optimizer as _torch_optimizer
+
+from eblvm_core import distributed
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """``[run] precision`` ("fp32", "bf16" or "fp16") of the training steps on ``device_type``."""
+
+    def __init__(self, name: str = "fp32", device_type: str = "cpu"):
+        self.name, self.device_type = name, device_type
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context a training step runs in: autocast to bf16 or fp16, or nothing for fp32.
+        Autocast's cache of weight casts is off: a step that updates parameters in place and runs
+        them again (the K lower-level steps of BiSM and VaGES, BiDVL's second level after its
+        first) would otherwise reuse the casts made before the update, since the cache lives until
+        the outermost autocast region ends; a CUDA graph needs the cache off too."""
+        dtype = AUTOCAST.get(self.name)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=dtype, cache_enabled=False)
+
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """A fresh gradient scaler for one role under fp16 (None otherwise)."""
+        return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
+
+    def graph_refusal(self) -> str | None:
+        """Why a step at this precision cannot be captured in a CUDA graph, or None."""
+        if self.name == "fp16":
+            return "precision fp16 scales the loss with a GradScaler, which reads its check for inf on the host"
+        return None
+
+
+class TrainingRole:
+    """The parameters of one role and everything that steps them.
+
+    ``schedule`` is a ``contracts.Schedule`` (None: the constant rate).
+    ``update(loss)`` backpropagates ``loss`` into the parameters (or takes the gradients the caller
+    put in ``.grad``), averages them over the ranks, clips their norm to ``max_grad_norm``, and
+    steps the optimizer (through the scaler under fp16). ``set_lr`` puts the schedule's rate for a
+    step into the optimizer; ``update_average``/``averaged`` keep and lend the EMA of the
+    parameters (decay ``ema``, None: none).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        optimizer: torch.optim.Optimizer,
+        schedule: Any = None,
+        max_grad_norm: float | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        ema: float | None = None,
+    ):
+        self.name, self.optimizer = name, optimizer
+        self.schedule = schedule
+        self.max_grad_norm, self.scaler, self.ema = max_grad_norm, scaler, ema
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.params: list[Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
+        self.average: list[Tensor] | None = None  # with an EMA, from ``start_average`` on
+        self._norms: tuple[Tensor, list[Tensor], Tensor] | None = None  # (sum and count, their views, 1)
+
+    # ---- the update -----------------------------------------------------------------------
+    def update(self, loss: Tensor | None = None) -> Tensor:
+        """Step the role's parameters on ``loss`` (its gradients replace theirs, zeros where it
+        does not reach) or, with None, on the gradients already in ``.grad``. With a process group
+        the gradients are first averaged over the ranks (bucketed all-reduces), so every rank takes
+        the step of the mean of their losses; every rank must hand over the same parameters. Under
+        fp16 the loss is scaled, the gradients unscaled, and a step with non-finite gradients
+        skipped. Returns the norm of the (averaged) gradient before clipping, a 0-d tensor (no host
+        synchronisation), and adds it to the statistics ``take_mean_grad_norm`` reads, in place on
+        the device, so a step replayed from a CUDA graph counts too."""
+        params = [p for p in self.params if p.requires_grad]
+        scaler = self.scaler
+        if loss is not None:
+            grads = torch.autograd.grad(loss if scaler is None else scaler.scale(loss), params, allow_unused=True)
+            for p, g in zip(params, grads):
+                p.grad = g if g is not None else torch.zeros_like(p)
+        elif scaler is not None:
+            raise ValueError("under fp16 a role's update needs the loss, to scale it")
+        with_grad = [p for p in params if p.grad is not None]
+        for p in with_grad:  # fused Adam needs each gradient in its parameter's memory format (channels-last convs)
+            if p.grad.stride() != p.stride():
+                p.grad = torch.empty_like(p).copy_(p.grad)
+        if distributed.active():
+            distributed.average_gradients([p.grad for p in with_grad])
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        if not with_grad:
+            norm = torch.zeros((), device=params[0].device if params else None)
+        elif self.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm).detach()
+        else:
+            norm = total_norm([p.grad for p in with_grad])
+        self._count_grad_norm(norm)
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        elif not fused_adam_step_on_cpu(self.optimizer):
+            self.optimizer.step()
+        return norm
+
+    def _count_grad_norm(self, norm: Tensor) -> None:
+        """Add ``norm`` (0-d) and 1 to the running (sum, count), in one in-place operation on
+        views made once, on the norm's device."""
+        if self._norms is None or self._norms[0].device != norm.device:
+            stats = torch.zeros(2, device=norm.device)
+            self._norms = (stats, list(stats.unbind()), torch.ones((), device=norm.device))
+        stats, views, one = self._norms
+        torch._foreach_add_(views, [norm if norm.dtype == stats.dtype else norm.to(stats.dtype), one])
+
+    def take_mean_grad_norm(self) -> float | None:
+        """The mean gradient norm of the updates since the last call (None when there were none);
+        the statistics start again from zero."""
+        if self._norms is None:
+            return None
+        stats = self._norms[0]
+        total, count = stats.tolist()
+        stats.zero_()
+        return total / count if count else None
+
+    # ---- the learning rate -------------------------------------------------------------------
+    @property
+    def scheduled(self) -> bool:
+        """Whether the rate changes during the run (a schedule other than the constant one)."""
+        return self.schedule is not None and not self.schedule.constant
+
+    @property
+    def lr(self) -> float:
+        """The first parameter group's current rate (what ``lr/<role>`` logs)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def set_lr(self, step: int, total_steps: int, steps_per_epoch: int, device_rates: bool = False) -> None:
+        """Each parameter group's rate for ``step`` from the schedule and the group's base rate.
+        ``device_rates`` (a CUDA device) rounds a scheduled rate to float32 (``optim.device_rate``),
+        the value a graph-replayed step reads from its rate tensor, so that replayed and eager runs
+        step alike; on the CPU the rate is the float itself."""
+        if not self.scheduled:
+            return
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            lr = self.schedule.lr(base, step, total_steps, steps_per_epoch)
+            group["lr"] = device_rate(lr) if device_rates else lr
+
+    # ---- the parameter average (EMA) ---------------------------------------------------------
+    def start_average(self) -> None:
+        """With an EMA, start the average at the current parameters (the run's state does so once
+        the parameters are those training starts from)."""
+        if self.ema is not None:
+            self.average = [p.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def update_average(self) -> None:
+        """average ← average + (1 − ema)·(parameters − average), after each step."""
+        if self.average is not None:
+            torch._foreach_lerp_(self.average, self.params, 1.0 - self.ema)
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        """Within the block the parameters hold their average (no change without an EMA)."""
+        if self.average is None:
+            yield
+            return
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self.params]
+            torch._foreach_copy_(self.params, self.average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, saved)
+
+    @torch.no_grad()
+    def use_average(self) -> None:
+        """Put the average in place of the parameters for good (evaluating or sampling a saved run)."""
+        if self.average is not None:
+            torch._foreach_copy_(self.params, self.average)
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, and the scaler's and the average where the role has them."""
+        state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        if self.average is not None:
+            state["ema"] = self.average
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], training: bool = True) -> None:
+        """Restore ``state_dict()``: the average always (evaluations use it), the optimizer and the
+        scaler only with ``training``."""
+        if self.average is not None and "ema" in state:
+            self.average = [v.to(p) for v, p in zip(state["ema"], self.average, strict=True)]
+        if not training:
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+@contextlib.contextmanager
+def averaged(roles: Iterable[TrainingRole]) -> Iterator[None]:
+    """Within the block every role with an EMA holds its averaged parameters."""
+    with contextlib.ExitStack() as stack:
+        for role in roles:
+            stack.enter_context(role.averaged())
+        yield
+
+
+# ---- stepping -------------------------------------------------------------------------------------
+
+
+def fused_adam_step_on_cpu(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer.step()`` of a fused ``torch.optim.Adam`` on the CPU, by its kernel directly.
+
+    ``Adam.step`` wraps the kernel (``torch._foreach_add_`` of the step counts, then
+    ``torch._fused_adam_``) in Python bookkeeping: a profiler range, the step hooks, state look-ups,
+    grouping by device and dtype. On a small model that costs several times the kernel (about 45
+    of 55 µs a call here, six calls per BiSM step). This calls the same kernel with the same
+    arguments on the same state, under ``no_grad`` as ``step`` runs, so the parameters and moments
+    are bit for bit those of ``step``. Returns False, having done nothing, unless all of these
+    hold: the optimizer is exactly ``torch.optim.Adam`` with no step hooks (its own or global) and
+    no instance-level ``step`` (an LR scheduler's wrapper); every group is fused, without amsgrad,
+    capturable, differentiable or decoupled weight decay, with numbers (not tensors) as
+    hyper-parameters; every parameter with a gradient is a dense CPU tensor of its group's one
+    dtype whose state exists (the first step goes through ``step``, which creates it); no grad
+    scaler is attached. CUDA steps always go through ``step`` (graph capture checks its flags there).
+    A torch whose private kernel is missing or takes other arguments gets the step counts put
+    back and False. ``benchmarks/bench_overhead.py`` checks the result against ``step``'s.
+    """
+    if (
+        type(optimizer) is not torch.optim.Adam
+        or "step" in optimizer.__dict__
+        or optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _torch_optimizer._global_optimizer_pre_hooks
+        or _torch_optimizer._global_optimizer_post_hooks
+        or getattr(optimizer, "grad_scale", None) is not None
+        or getattr(optimizer, "found_inf", None) is not None
+    ):
+        return False
+    state = optimizer.state
+    calls = []
+    for group in optimizer.param_groups:
+        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if (
+            not group["fused"]
+            or group["amsgrad"]
+            or group["capturable"]
+            or group["differentiable"]
+            or group.get("decoupled_weight_decay", False)
+            or not all(type(x) in (float, int) for x in (lr, beta1, beta2, eps, decay))
+        ):
+            return False
+        params, grads, avgs, avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            s = state.get(p)
+            if not s or not p.is_cpu or grad.is_sparse or (params and p.dtype != params[0].dtype):
+                return False
+            params.append(p)
+            grads.append(grad)
+            avgs.append(s["exp_avg"])
+            avg_sqs.append(s["exp_avg_sq"])
+            steps.append(s["step"])
+        if params:
+            calls.append((params, grads, avgs, avg_sqs, steps, lr, beta1, beta2, eps, decay, group["maximize"]))
+    with torch.no_grad():
+        for i, (params, grads, avgs, avg_sqs, steps, lr, beta1, beta2, eps, decay, maximize) in enumerate(calls):
+            torch._foreach_add_(steps, 1)
+            try:
+                torch._fused_adam_(
+                    params,
+                    grads,
+                    avgs,
+                    avg_sqs,
+                    [],
+                    steps,
+                    amsgrad=False,
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=decay,
+                    eps=eps,
+                    maximize=maximize,
+                    grad_scale=None,
+                    found_inf=None,
+                )
+            except (AttributeError, TypeError):  # a torch whose private kernel is named or called otherwise
+                torch._foreach_sub_(steps, 1)
+                if i:  # earlier groups are stepped: let torch step the rest, as it would have
+                    raise
+                return False
+    return True
+
+
+def total_norm(grads: list[Tensor]) -> Tensor:
+    """The 2-norm of the gradients taken together, a 0-d tensor on their device, with no host
+    synchronisation: ``torch.nn.utils.get_total_norm``'s value (the norm of the per-tensor
+    norms) without its Python bookkeeping, which costs more than the arithmetic on a small model
+    (six of these per BiSM step); tensors on several devices go through ``get_total_norm``."""
+    norms = torch._foreach_norm(grads, 2.0)
+    try:
+        stacked = torch.stack(norms)
+    except RuntimeError:  # norms on several devices
+        return torch.nn.utils.get_total_norm(grads).detach()
+    return torch.linalg.vector_norm(stacked, 2.0).detach()
+
+
+def device_rate(lr: float) -> float:
+    """``lr`` rounded to the nearest float32, as a Python float: the rate a CUDA kernel reads from a
+    rate tensor (``RateTensors``; the fused Adam and SGD kernels take a float32 one). On a CUDA device
+    the trainer rounds every scheduled rate so, whether or not the step is replayed from a graph, so
+    that a replayed step (rate read from the tensor) and an eager one (rate given as a number) compute
+    with the same double and end at the same bits."""
+    return struct.unpack("f", struct.pack("f", lr))[0]
