@@ -308,6 +308,7 @@ def test_sample_scale_multiplies_the_grid(cli, write_recipe, tmp_path):
     assert cli(["sample", run_dir, "--scale", "0"]).exit_code == 2
 
 
+@pytest.mark.slow
 def test_matplotlib_is_imported_only_to_draw():
     """Loading the CLI, the plugins and the plotting module leaves matplotlib unimported; drawing
     uses the Agg canvas and never pyplot."""
