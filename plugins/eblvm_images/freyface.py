@@ -14,7 +14,6 @@ from pathlib import Path
 
 import attrs
 import numpy as np
-import scipy.io
 import torch
 
 from eblvm_core.plugin_api import ConfigError, DataError, DataSplits, Parts, non_negative, option, positive
@@ -41,6 +40,8 @@ def load_frey(path: Path) -> np.ndarray:
     fix = f"download {URL} into that folder, or point [data] root at the folder that holds it (-o data.root=/path)"
     if not path.is_file():
         raise DataError(f"{path}: Frey face file not found; {fix}", key="root")
+    import scipy.io  # half a second to import: only when a Frey face file is read
+
     try:
         content = scipy.io.loadmat(str(path))
     except Exception as exc:  # scipy raises several types for corrupt or non-MATLAB files

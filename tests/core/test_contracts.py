@@ -105,6 +105,11 @@ SMALL: dict[str, dict[str, dict]] = {
         "fisher-critic": {"steps": 5, "width": 16},
         "density-plot": {"grid": 20, "bins": 10},
         "sample-grid": {"n": 4, "nrow": 2, "sampler_options": {"burn_in": 2}},
+        "sample-classes": {
+            "n": 16,
+            "n_train": 64,
+            "sampler_options": {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2},
+        },
     },
     "samplers": {"gibbs": {"burn_in": 2}, "annealed-langevin": {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2}},
     "models": {name: {"width": 4, "blocks": 1, "stages": 2} for name in ("resnet-eblvm", "resnet-ebm")},

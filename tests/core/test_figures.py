@@ -308,15 +308,18 @@ def test_sample_scale_multiplies_the_grid(cli, write_recipe, tmp_path):
     assert cli(["sample", run_dir, "--scale", "0"]).exit_code == 2
 
 
+@pytest.mark.slow
 def test_matplotlib_is_imported_only_to_draw():
-    """Loading the CLI, the plugins and the plotting module leaves matplotlib unimported; drawing
-    uses the Agg canvas and never pyplot."""
+    """Loading the CLI, the plugins and the plotting module leaves matplotlib (and the other slow
+    imports that only some commands need: scipy.io for Frey face, scikit-learn for the probes)
+    unimported; drawing uses the Agg canvas and never pyplot."""
     code = (
         "import sys\n"
         "import eblvm_core.cli, eblvm_core.plot, eblvm_core.evaluate\n"
         "from eblvm_core.plugins import load\n"
         "load(warn=False)\n"
-        "assert 'matplotlib' not in sys.modules, 'imported at start-up'\n"
+        "for name in ('matplotlib', 'scipy.io', 'sklearn'):\n"
+        "    assert name not in sys.modules, f'{name} imported at start-up'\n"
         "import torch\n"
         "from eblvm_core import plot\n"
         "plot.render(plot.scatter(torch.rand(10, 2)))\n"

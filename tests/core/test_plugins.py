@@ -39,6 +39,7 @@ def eblvm(args: list[str], site: Path | None = None, **env: str) -> subprocess.C
     return subprocess.run([sys.executable, "-m", "eblvm_core.cli", *args], capture_output=True, text=True, env=environ)
 
 
+@pytest.mark.slow
 def test_broken_plugin_is_reported_and_the_rest_work(tmp_path):
     fake_distribution(tmp_path, "broken", "eblvm_broken_plugin", "raise ImportError('missing dependency frobnicate')")
     proc = eblvm(["plugins"], tmp_path)
@@ -50,6 +51,7 @@ def test_broken_plugin_is_reported_and_the_rest_work(tmp_path):
     assert eblvm(["validate", *recipes], tmp_path).returncode == 0
 
 
+@pytest.mark.slow
 def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
     fake_distribution(
         tmp_path,
@@ -79,6 +81,7 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
     assert "scale: float = 0.5  multiplier" in proc.stdout
 
 
+@pytest.mark.slow
 def test_load_plugins_pins_the_set(tmp_path):
     proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,grbm")
     names = [line.split()[0] for line in proc.stdout.splitlines() if line and not line.startswith(" ")]
@@ -87,6 +90,7 @@ def test_load_plugins_pins_the_set(tmp_path):
     assert "plugin 'nosuch' failed" in proc.stderr and "not installed" in proc.stderr
 
 
+@pytest.mark.slow
 def test_misspelt_hook_is_caught(tmp_path):
     fake_distribution(
         tmp_path,
@@ -129,6 +133,7 @@ def test_registry_did_you_mean_and_duplicates():
         reg.add("bad", lambda c, p: None, dict)
 
 
+@pytest.mark.slow
 def test_a_third_party_plugin_cannot_take_over_a_bundled_name(tmp_path):
     """Bundled plugins register first; a plugin sorted before them ('aaa') that registers 'grbm'
     fails, naming both plugins, and what it registered before failing is withdrawn."""
@@ -157,12 +162,14 @@ def test_a_third_party_plugin_cannot_take_over_a_bundled_name(tmp_path):
     assert "model grbm: Gaussian RBM" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_plugin_that_exits_at_import_is_reported_like_any_failing_plugin(tmp_path):
     fake_distribution(tmp_path, "quitter", "eblvm_quitter", "import sys\nsys.exit(3)")
     proc = eblvm(["plugins"], tmp_path)
     assert proc.returncode == 0 and "plugin 'quitter' failed" in proc.stderr and "SystemExit" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_plugin_command_cannot_replace_a_built_in_one(tmp_path):
     fake_distribution(
         tmp_path,
@@ -192,6 +199,7 @@ def test_a_plugin_command_cannot_replace_a_built_in_one(tmp_path):
     assert "hijacked" not in proc.stdout and "Train a model as a recipe says" in proc.stdout
 
 
+@pytest.mark.slow
 def test_two_plugins_cannot_share_a_command_name(tmp_path):
     """The first plugin (in load order) keeps the name; the second is told, naming both."""
     for plugin in ("first", "second"):
@@ -242,6 +250,7 @@ def test_every_description_is_whole_sentences(kind, name):
     assert re.search(r"[.!?][)\]\"'’”]*$", doc), f"{kind[:-1]} '{name}': description ends mid-sentence: {doc!r}"
 
 
+@pytest.mark.slow
 def test_a_docstring_gives_the_description_and_the_reported_keys(tmp_path):
     """A third-party evaluator's first paragraph, wrapped over two lines, is its description in
     full; its ``Reports:`` keys are listed with ``{split}`` at the option's default; an evaluator

@@ -107,6 +107,7 @@ def test_build_time_error_is_one_line(cli, write_recipe, tmp_path):
     assert str(path) in line and "[eval.0]" in line
 
 
+@pytest.mark.slow
 def test_real_process_exit_code_and_no_traceback(write_recipe):
     path = write_recipe(SMALL_RECIPE.replace("batch_size = 50", "batch_size = 0"))
     proc = subprocess.run(
@@ -180,6 +181,7 @@ def test_validate_rejects_what_run_would_reject_before_its_first_step(
     assert not (tmp_path / "runs").exists(), "a rejected run leaves no run directory"
 
 
+@pytest.mark.slow
 def test_validate_accepts_every_bundled_recipe_and_comparison_spec(cli):
     root = RECIPES
     files = sorted(root.glob("*.toml")) + sorted((root / "compare").glob("*.toml"))

@@ -131,6 +131,7 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
     assert state["estimator"] == {"steps": 40} and "eval/generator-norm/norm" in results
 
 
+@pytest.mark.slow
 def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, tmp_path):
     from eblvm_core.session import run
 

@@ -60,6 +60,7 @@ def printed(output: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_recipe_path_trains_as_the_command_line_does(write_recipe, tmp_path):
     """The same recipe file: `python -m eblvm run` in a fresh process and eblvm.train here give the
     same parameters and optimizer state to the bit, and the API returns the printed final metrics."""
@@ -147,6 +148,7 @@ def test_errors_are_the_command_lines(tmp_path):
     assert not any(tmp_path.iterdir()), "a refused recipe writes nothing"
 
 
+@pytest.mark.slow
 def test_load_gives_the_parts_and_evaluates_and_samples_as_the_commands_do(cli, write_recipe, tmp_path):
     """load(): model, posterior, data and sampler of the saved run; evaluate() equals `eblvm eval`
     (AIS included: seeded alike) and repeats itself; sample(n) equals `eblvm sample`'s raw samples."""

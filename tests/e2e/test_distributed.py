@@ -28,6 +28,8 @@ from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
 from tests.support import BISM, ROOT, SMALL_RECIPE
 
+pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
+
 TIMEOUT = 180  # seconds for any one launch; a few on a free machine
 
 

@@ -315,6 +315,7 @@ def overrides(values: list[str]) -> list[str]:
     return [a for value in values for a in ("-o", value)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, text, values, section, key", RECIPES, ids=[c[0] for c in RECIPES])
 def test_validate_and_run_refuse_with_one_line(cli, write_recipe, tmp_path, name, text, values, section, key):
     path = write_recipe(text)
@@ -407,6 +408,7 @@ def test_a_valid_edge_recipe_runs(cli, write_recipe, tmp_path):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, fragment",
     [

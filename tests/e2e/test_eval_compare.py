@@ -218,6 +218,7 @@ def test_sample_uses_the_recipes_sampler_settings_and_saves_the_raw_samples(cli,
     assert refused.exit_code == 2 and "[model] n_hidden" in refused.output and "cannot change" in refused.output
 
 
+@pytest.mark.slow
 def test_eval_options_address_the_named_evaluators(cli, tiny_run):
     """-e replaces the recipe's [[eval]] list, so eval.0 is the first -e: AIS with 7 chains has an
     effective sample size of at most 7 (the default 2,000 chains would give far more)."""
@@ -320,6 +321,7 @@ def write_spec(folder: Path, body: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
     """2 methods × 2 seeds in 2 processes, 12 steps each (--steps): table, figure, curves, images."""
     spec = write_spec(
@@ -381,6 +383,7 @@ def test_compare_runs_methods_over_seeds_in_parallel(cli, tmp_path):
     assert (out / "recipes" / "CD.toml").is_file() and len(list((out / "logs").iterdir())) == 4
 
 
+@pytest.mark.slow
 def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, monkeypatch):
     """The first comparison finishes CD, gets DSM to step 10 of 20 and is killed. Run again, it
     reuses CD's recorded result without training it, continues DSM from its checkpoint to the
@@ -487,6 +490,7 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     assert len(json.loads((cd_dir / "run.json").read_text())["sessions"]) == 1  # never trained again
 
 
+@pytest.mark.slow
 def test_a_run_stopped_on_a_nan_leaves_the_others_to_finish_and_the_comparison_exits_3(cli, tmp_path):
     """DSM under SGD at rate 2 reaches a NaN log-likelihood at its first evaluation (step 20); in two
     processes, CD's two seeds still train and are tabulated, the stopped runs are named in table.md
@@ -528,6 +532,7 @@ def test_a_run_stopped_on_a_nan_leaves_the_others_to_finish_and_the_comparison_e
         assert f"- DSM at rate 2 seed {seed}: step 20: evaluation gave eval/exact-loglik/test_loglik = nan" in table
 
 
+@pytest.mark.slow
 def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tmp_path):
     """The real freyface spec (two of its methods, a small AIS) on a tiny stand-in .mat file:
     validation-selected best.pt, re-evaluated by the [[final_eval]] evaluators, sample images."""

@@ -23,6 +23,8 @@ from eblvm_core.plugins import load
 from eblvm_core.recipe import load_recipe
 from tests.support import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
+
 EXAMPLE = ROOT / "examples" / "eblvm-renyi"
 RECIPE = EXAMPLE / "recipes" / "grbm_bissm_renyi.toml"
 

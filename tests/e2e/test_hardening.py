@@ -143,6 +143,7 @@ def test_a_checkpoint_from_before_an_option_existed_loads_while_the_option_keeps
     assert f"{path}: written by another recipe: optim.model.lr is None there and 0.01" in line, line
 
 
+@pytest.mark.slow
 def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_recipe, tmp_path):
     """Killed (kill -9) with metrics logged after its last checkpoint, then resumed: every training
     step is logged once, and the final parameters equal an uninterrupted run's."""
@@ -172,6 +173,7 @@ def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_re
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_second_process_on_a_run_directory_is_refused(cli, run_copy):
     holder = subprocess.Popen(
         [
@@ -351,6 +353,7 @@ def wait_for_training(out: Path, proc: subprocess.Popen, step: int = 20) -> None
     raise AssertionError("training did not start")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_recipe, tmp_path, signum):
     """The interrupted run, resumed, ends with the parameters of an uninterrupted run, bit for bit."""
@@ -515,6 +518,7 @@ def test_a_full_disk_keeps_the_last_checkpoint(cli, write_recipe, tmp_path, monk
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
 
 
+@pytest.mark.slow
 def test_runs_started_in_the_same_second_never_collide(tmp_path):
     barrier, made, errors = threading.Barrier(8), [], []
 
@@ -566,6 +570,7 @@ def test_the_run_directory_records_provenance_and_the_console_log(cli, run_copy)
     assert "step 40/40" in log and "exact-loglik/test_loglik:" in log
 
 
+@pytest.mark.slow
 def test_errors_survive_pickling_so_a_worker_process_error_prints_as_one_line(cli, tmp_path):
     """Every user-facing error crosses a process boundary intact (str, exit code, fields); under
     ``compare --jobs 2`` a run that fails in a worker ends in the same one line as without workers."""

@@ -82,6 +82,7 @@ def params(run_dir: Path) -> dict[str, torch.Tensor]:
     return ckpt.load(run_dir / "checkpoints" / "last.pt")["networks"]["model"]
 
 
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted_run(write_recipe, tmp_path):
     from eblvm_core.session import run
 
@@ -303,6 +304,7 @@ def test_a_checkpoint_moves_to_a_device_whole():
     assert isinstance(moved["b"][1], tuple) and moved["b"][1][1] == 3 and moved["c"] == "x"
 
 
+@pytest.mark.slow
 def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_path):
     """A run killed after its last checkpoint logged steps that the resumed run logs again;
     TensorBoard must show each step once (the resumed writer purges what followed the checkpoint)."""
@@ -391,6 +393,7 @@ def test_cudnn_autotuning_is_on_only_inside_a_cuda_run_that_asks_for_it():
     assert torch.backends.cudnn.benchmark is False
 
 
+@pytest.mark.slow
 def test_evaluating_along_the_way_leaves_the_training_as_it_was(tmp_path):
     """digits_bidvl's energy is spectrally normalised and its encoder and generator hold batch norm:
     ood-auroc (the energy) and reconstruction (the encoder and the generator, also in train mode)

@@ -53,6 +53,7 @@ def table_rows(out: Path) -> dict[str, str]:
     return {line.split(" | ")[0].removeprefix("| "): line for line in lines}
 
 
+@pytest.mark.slow
 def test_a_2x2_grid_runs_in_parallel_tabulates_four_rows_and_reruns_nothing(cli, grid_spec, tmp_path, monkeypatch):
     out = tmp_path / "results"
     args = ["compare", grid_spec, "--jobs", "2", "--steps", "12", "--out", out, "--device", "cpu"]

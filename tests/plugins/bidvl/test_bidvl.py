@@ -77,6 +77,7 @@ def test_gaussian_kl_matches_torch():
     torch.testing.assert_close(gaussian_kl(mu, log_std), expected)
 
 
+@pytest.mark.slow
 def test_the_encoders_variance_stays_below_one():
     parts = tiny_parts()
     encoder = make("posteriors", "gaussian-dcgan", parts, base=4, latent_dim=3, bounded_variance=True).double()
@@ -200,6 +201,7 @@ def test_each_role_moves_only_in_its_own_level(upper, moved_by_upper):
     assert moved(before) == moved_by_upper
 
 
+@pytest.mark.slow
 def test_hinge_keeps_energies_bounded_where_the_plain_form_drifts():
     """With an unbounded energy (a plain MLP, no spectral norm, no softplus) learning faster than the
     generator, the offset upper level keeps pushing E down on data and up on samples and the energies

@@ -104,6 +104,7 @@ def test_the_exact_kl_is_the_expectation_over_every_binary_h_with_its_gradients(
     torch.testing.assert_close(KL(exact=True)(model, posterior, v), model.free_energy(v), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_the_sampled_kl_tends_to_the_exact_one_at_a_low_temperature():
     """Many relaxed samples at T = 0.02: their mean is the exact KL within its Monte-Carlo error."""
     model = small_grbm(3, 4, coupling="plain")
@@ -377,6 +378,7 @@ def test_sigma_reaches_the_posterior_only_under_the_scaled_coupling(coupling):
         assert sigma_miss > 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupling", ["plain", "scaled"])
 def test_what_the_partial_derivative_misses_is_sm_s_trace_term_through_q(coupling):
     """Why BiSSM's partial derivative misses so much and BiDSM's little (docs/results.md). Integrated
@@ -430,6 +432,7 @@ def checkpoint_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
     return {f"{net}.{name}": t for net, params in state["networks"].items() for name, t in params.items()}
 
 
+@pytest.mark.slow
 def test_the_options_off_change_nothing_and_on_they_train(tmp_path):
     """grbm_bissm for 30 steps: with every new option spelled out at its off value (and the natural
     damping, unused by the sgd unroll, changed) the checkpoint is bit-identical to the recipe's; the

@@ -37,6 +37,7 @@ def test_bias_refuses_what_it_cannot_measure():
         GradientBias(GradientBiasConfig(), setup.parts.evolve(objective=SSM(), divergence=KL()))
 
 
+@pytest.mark.slow
 def test_the_reported_standard_error_shrinks_with_repeats_and_bounds_a_vanishing_bias():
     """At the exact posterior with N large the unrolled hypergradient is unbiased, so the norm of
     the mean's error is Monte-Carlo noise: within two reported standard errors, and the standard

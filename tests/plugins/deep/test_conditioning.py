@@ -194,6 +194,7 @@ def compare_cached_and_uncached(build, objective, divergence, dtype, **parts_opt
     assert gap <= TOLERANCE[dtype], f"cached and uncached parameters differ by {gap:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("case", list(BISM))
 def test_cached_and_uncached_bism_updates_give_the_same_parameters(case, dtype):
@@ -360,6 +361,7 @@ def rank_hypergradient(rank: int, store: str, x: torch.Tensor, eps: torch.Tensor
     distributed.leave_process_group()  # together: a rank leaving alone can abort the other
 
 
+@pytest.mark.slow
 def test_two_ranks_with_cached_features_give_the_hypergradient_of_one_process_fed_their_union(tmp_path):
     """The unrolled steps average ∂G/∂φ over the ranks inside the graph (``mean_over_ranks``):
     with f(x) cached per rank, two processes give the uncached hypergradient of one process."""

@@ -36,6 +36,7 @@ def residual_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == "ResidualBlock"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, shape, blocks, channels",
     [
@@ -401,6 +402,7 @@ COMBOS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, divergence, objective, estimator", COMBOS, ids=["-".join(filter(None, c)) for c in COMBOS]
 )

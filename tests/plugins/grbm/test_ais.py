@@ -66,6 +66,7 @@ def path_samples(model: GRBM, base: Base, beta: float, n: int) -> torch.Tensor:
 # ---- the path ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupling", ["scaled", "plain"])
 def test_path_runs_from_the_base_to_the_grbm(coupling):
     """log Z_0 is the base's, log Z_1 the GRBM's, and log f_1 − log f_0 is −F + E_A − m log 2."""
@@ -260,6 +261,7 @@ def test_factorised_log_partition_is_the_enumerated_one():
         assert factorised_log_partition(model) == pytest.approx(float(model.log_partition().detach()), abs=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("coupling", ["plain", "scaled"])
 def test_evaluator_at_frey_size_matches_the_closed_form(coupling, capsys):
     """d = 560, m = 400: forward and reverse log Ẑ and the test log-likelihood within 4 standard

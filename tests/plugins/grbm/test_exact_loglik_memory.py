@@ -132,6 +132,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [4096, None])
 def test_enumeration_allocates_no_tensor_beyond_a_chunk(chunk):
     """m = 22: 2^22 states, 92M elements at once; chunked, no operator returns more than
@@ -183,6 +184,7 @@ def test_max_hidden_40_is_valid(cli, write_recipe):
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 def test_the_refusal_is_one_line_on_stderr_from_python_m_eblvm(write_recipe):
     path = write_recipe(recipe(34, 64))
     proc = subprocess.run([sys.executable, "-m", "eblvm", "validate", str(path)], capture_output=True, text=True)

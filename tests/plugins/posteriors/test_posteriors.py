@@ -112,6 +112,7 @@ def test_relaxed_samples_concentrate_at_one_half_as_the_temperature_grows():
     assert (h - 0.5).abs().max() < 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 1e4])
 def test_relaxed_samples_follow_the_binary_concrete_distribution(temperature):
     """h = sigmoid((l + logit u)/T) has the CDF P(h ≤ t) = sigmoid(T·logit t − l): at its

@@ -208,6 +208,7 @@ def test_the_logger_of_the_plugin_guide_writes_pngs_and_resumes(tmp_path, monkey
 # ---- without the extras ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_listing_plugins_and_checking_a_csv_recipe_import_neither_tracker(write_recipe):
     """`eblvm plugins` lists the trackers and `eblvm validate` checks a recipe without importing wandb or mlflow."""
     recipe = write_recipe(SMALL_RECIPE + LOG["csv"])

@@ -233,6 +233,7 @@ def test_importance_score_is_exact_with_many_proposals():
     torch.testing.assert_close(est.score(v).detach(), exact_score(model, v, create_graph=False), rtol=0.05, atol=0.02)
 
 
+@pytest.mark.slow
 def test_critic_approaches_the_exact_fisher_divergence():
     """VaGES F.3 in small dimension: data from a standard Gaussian, a GRBM model."""
     torch.manual_seed(0)
@@ -395,6 +396,7 @@ def test_the_critics_hutchinson_trace_is_unbiased_above_the_exact_trace_dimensio
     assert ((probes.mean(0) - exact).abs() < 5 * se).all() and (probes.std(0) > 0).all()
 
 
+@pytest.mark.slow
 def test_a_critic_with_the_hutchinson_trace_approaches_the_exact_fisher_divergence():
     torch.manual_seed(0)
     data = DataSplits(train=torch.randn(4000, 2), test=torch.randn(2000, 2))
