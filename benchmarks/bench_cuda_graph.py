@@ -98,7 +98,7 @@ def replay_alone(recipe: Path, overrides: list[str], replays: int = 500) -> tupl
         estimator.step(batch)
         torch.cuda.synchronize()
     kernels = sum(1 for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
-    graphed = GraphedStep(estimator.step, estimator.optimizers, print)
+    graphed = GraphedStep(estimator.step, built.roles, print)
     for _ in range(WARMUP_STEPS + 2):
         graphed(batch)
     torch.cuda.synchronize()

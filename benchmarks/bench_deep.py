@@ -57,7 +57,6 @@ from eblvm_core.checkpoint import seed_everything
 from eblvm_core.data import Batches
 from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
 from eblvm_core.recipe import apply_override, read, validate
-from eblvm_core.trainer import step_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,14 +192,12 @@ def time_case(
     estimator = built.parts.estimator
     train_step = estimator.step
     if graphed:
-        if graph_refusal(estimator, built.schedules, device, 1, spec.run.precision) is not None:
+        if graph_refusal(estimator.graph_safe, built.roles, device, 1, built.precision) is not None:
             return None
-        train_step = GraphedStep(
-            estimator.step, estimator.optimizers, print, scheduled_rates(estimator.optimizers, built.schedules)
-        )
+        train_step = GraphedStep(estimator.step, built.roles, print, scheduled_rates(built.roles))
 
     def step() -> None:
-        with step_precision(device.type, spec.run.precision):
+        with built.precision.autocast():
             train_step(batch)
         synchronize(device)
 
@@ -214,7 +211,7 @@ def time_case(
         step()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return times, peak, state_bytes(estimator.optimizers.values())
+    return times, peak, state_bytes(role.optimizer for role in built.roles.values())
 
 
 def state_bytes(optimizers: Any) -> int:
@@ -330,7 +327,7 @@ def profile_case(recipe: str, overrides: list[str], root: Path, device: torch.de
     on_gpu = device.type == "cuda"
 
     def step() -> None:
-        with step_precision(device.type, spec.run.precision):
+        with built.precision.autocast():
             built.parts.estimator.step(batch)
         synchronize(device)
 

@@ -20,7 +20,7 @@ three steps and whether the parameters are bit-identical.
 Then the cases take turns (as in bench_estimators.py): every round runs ``--block`` timed steps
 of (a) the hand-written step, (b) ``estimator.step(batch)`` of the built recipe, (b') the same
 with every Adam stepped through ``torch.optim`` (``optimizer.step()``, as the hand-written step
-does) instead of ``apply_update``'s direct call of the fused kernel, and (c) the real training
+does) instead of ``TrainingRole.update``'s direct call of the fused kernel, and (c) the real training
 loop, ``Trainer.fit`` over ``--trainer-block`` steps (batch stream, step, NaN-guard and metric
 bookkeeping, one log line per block; no evaluators, no checkpoint), divided by the steps.
 Reported: the median step and the 10th-90th percentiles of the round medians, and the ratios of
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eblvm_core import optim
+from eblvm_core import roles
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
 from eblvm_core.recipe import load_recipe
@@ -151,7 +151,9 @@ def hand_from(built: Any, spec: Any) -> HandStep:
         "inner_lr": est.inner_lr,
     }
     assert est.unroll == "sgd"
-    return HandStep(theta, phi, adam_options(est.optimizers["model"]), adam_options(est.optimizers["posterior"]), hyper)
+    return HandStep(
+        theta, phi, adam_options(est.model_role.optimizer), adam_options(est.posterior_role.optimizer), hyper
+    )
 
 
 def relative(a: Tensor, b: Tensor) -> float:
@@ -212,33 +214,36 @@ def step_case(name: str, step: Callable[[Tensor], Any], batch: Tensor, block: in
 
 
 def torch_optim_steps(step: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
-    """``step`` with ``apply_update`` stepping every Adam through ``optimizer.step()``, as before
+    """``step`` with every role's update stepping its Adam through ``optimizer.step()``, as before
     ``fused_adam_step_on_cpu``: what the rest of eblvm's step costs beside the same optimizer calls."""
 
     def slow(batch: Tensor) -> Any:
-        fast = optim.fused_adam_step_on_cpu
-        optim.fused_adam_step_on_cpu = lambda optimizer: False
+        fast = roles.fused_adam_step_on_cpu
+        roles.fused_adam_step_on_cpu = lambda optimizer: False
         try:
             return step(batch)
         finally:
-            optim.fused_adam_step_on_cpu = fast
+            roles.fused_adam_step_on_cpu = fast
 
     return slow
 
 
 def trainer_case(name: str, spec: Any, built: Any, folder: Path, block: int) -> Case:
-    """``Trainer.fit`` over ``block`` more steps per call; checkpoints and the final evaluation skipped."""
+    """``Trainer.fit`` over ``block`` more steps per call (a trainer per call, on one run state, of a
+    recipe built without evaluators); checkpoints skipped."""
+    from eblvm_core.context import RunContext
+    from eblvm_core.state import RunState
     from eblvm_core.trainer import Trainer
 
-    trainer = Trainer(spec, built, folder, echo=lambda line: None)
-    trainer.save = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    trainer.evaluate = lambda *args, **kwargs: {}  # type: ignore[method-assign]
+    state = RunState(spec, built)
+    state.save = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    context = RunContext(folder, built.device, torch.get_num_threads())
 
     def run() -> list[float]:
-        trainer.recipe = attrs.evolve(spec, run=attrs.evolve(spec.run, steps=trainer.step + block))
+        recipe = attrs.evolve(spec, run=attrs.evolve(spec.run, steps=state.step + block))
         start = CLOCK()
         with contextlib.redirect_stderr(io.StringIO()):  # no progress bar
-            trainer.fit()
+            Trainer(recipe, state, context).fit()
         return [(CLOCK() - start) / block]
 
     return Case(name, run)
@@ -333,13 +338,13 @@ def main() -> None:
                 continue
             cases.append((size, step_case("hand-written", hand, batch, block)))
             cases.append((size, step_case("estimator.step", built.parts.estimator.step, batch, block)))
-            if hasattr(optim, "fused_adam_step_on_cpu"):
+            if hasattr(roles, "fused_adam_step_on_cpu"):
                 _, built_o, _ = built_case(recipe, overrides)
                 torch.set_num_threads(args.threads)
                 step = torch_optim_steps(built_o.parts.estimator.step)
                 cases.append((size, step_case("estimator.step, Adam through torch.optim", step, batch, block)))
             if not args.no_trainer and size == "checkerboard":
-                spec_t, built_t, _ = built_case(recipe, overrides)
+                spec_t, built_t, _ = built_case(recipe, [*overrides, "~eval"])  # the loop alone: no evaluation
                 torch.set_num_threads(args.threads)
                 folder = Path(tmp) / f"run-{size}"
                 folder.mkdir()

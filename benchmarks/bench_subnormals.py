@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import build
 from eblvm_core.data import Batches
 from eblvm_core.recipe import load_recipe
-from eblvm_core.trainer import Trainer
+from eblvm_core.state import RunState
 
 
 def main() -> None:
@@ -39,21 +38,19 @@ def main() -> None:
     state = ckpt.read_checkpoint(source)
     recipe = load_recipe(args.run / "recipe.toml", ['run.device="cpu"'])
     built = build(recipe, torch.device("cpu"))
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "checkpoints").mkdir()
-        trainer = Trainer(recipe, built, Path(tmp))
-        batch = Batches(built.parts.data, recipe.run.batch_size, 0, torch.device("cpu"), built.parts.dtype).next()
-        print(f"{recipe.run.name} at step {state['step']}, one CPU thread:")
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(args.rounds):
-            for flush in (False, True):
-                trainer.restore(state, source=str(source))
-                torch.set_flush_denormal(flush)
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    built.parts.estimator.step(batch)
-                times[flush].append(1000 * (time.perf_counter() - start) / args.steps)
-        torch.set_flush_denormal(False)
+    restored = RunState(recipe, built)
+    batch = Batches(built.parts.data, recipe.run.batch_size, 0, torch.device("cpu"), built.parts.dtype).next()
+    print(f"{recipe.run.name} at step {state['step']}, one CPU thread:")
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for flush in (False, True):
+            restored.restore(state, source=str(source))
+            torch.set_flush_denormal(flush)
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                built.parts.estimator.step(batch)
+            times[flush].append(1000 * (time.perf_counter() - start) / args.steps)
+    torch.set_flush_denormal(False)
     for flush, ms in times.items():
         label = "flushed to zero" if flush else "IEEE subnormals"
         print(f"  {label}: {statistics.median(ms):.1f} ms per step (blocks: {', '.join(f'{t:.1f}' for t in ms)})")

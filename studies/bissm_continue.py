@@ -18,7 +18,9 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import build
+from eblvm_core.context import RunContext
 from eblvm_core.recipe import load_recipe
+from eblvm_core.state import RunState
 from eblvm_core.trainer import Trainer
 
 
@@ -50,9 +52,10 @@ def main() -> None:
     built = build(recipe, torch.device("cpu"))
     args.out.mkdir(parents=True, exist_ok=False)
     (args.out / "checkpoints").mkdir()
-    trainer = Trainer(recipe, built, args.out)
-    trainer.restore(state, source=ckpt.last_checkpoint(args.run))
-    print({k: round(v, 4) for k, v in trainer.fit().items()})
+    restored = RunState(recipe, built)
+    restored.restore(state, source=ckpt.last_checkpoint(args.run))
+    context = RunContext(args.out, built.device, torch.get_num_threads(), echo=print)
+    print({k: round(v, 4) for k, v in Trainer(recipe, restored, context).fit().items()})
 
 
 if __name__ == "__main__":

@@ -32,24 +32,24 @@ from pathlib import Path
 import torch
 
 from eblvm_core.graphs import GraphedStep
-from eblvm_core.optim import apply_update
+from eblvm_core.roles import TrainingRole
 
 CUDA = torch.device("cuda")
 STEPS = 10
 
 
 def small_step(size: int = 3):
-    """The failing test's step (size 3): (parameters, optimizer, step(batch) -> metrics with its noise)."""
+    """The failing test's step (size 3): (parameters, role, step(batch) -> metrics with its noise)."""
     p = torch.zeros(size, device=CUDA, requires_grad=True)
-    opt = torch.optim.Adam([p], lr=0.1, fused=True)
+    role = TrainingRole("model", torch.optim.Adam([p], lr=0.1, fused=True))
 
     def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
         noise = torch.randn(size, device=CUDA)
         loss = ((p - batch - noise) ** 2).sum()
-        apply_update(opt, loss)
+        role.update(loss)
         return {"loss": loss.detach(), "noise": noise.clone()}
 
-    return p, opt, step
+    return p, role, step
 
 
 def offset() -> int:
@@ -67,8 +67,8 @@ def compare(label: str) -> None:
         eager_noise.append(eager(b)["noise"].clone())
         eager_offsets.append(offset())
     torch.manual_seed(0)
-    _, opt, step = small_step()
-    graphed = GraphedStep(step, {"model": opt}, print)
+    _, role, step = small_step()
+    graphed = GraphedStep(step, {"model": role}, print)
     graph_noise, graph_offsets = [], []
     for b in batches:
         graph_noise.append(graphed(b)["noise"].clone())
@@ -89,8 +89,8 @@ def compare(label: str) -> None:
 
 def other_graph() -> GraphedStep:
     """A graph of another step (``small_step`` of size 1,000), captured and replayed a few times."""
-    _, opt, step = small_step(1000)
-    graphed = GraphedStep(step, {"model": opt}, print)
+    _, role, step = small_step(1000)
+    graphed = GraphedStep(step, {"model": role}, print)
     for _ in range(8):
         graphed(torch.zeros(1000, device=CUDA))
     return graphed
