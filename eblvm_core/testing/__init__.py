@@ -1,7 +1,7 @@
 """The plugin author's toolkit: exact test models, fixtures and the contract checks of each kind.
 
 Every component of a kind must pass its kind's check; eblvm's bundled plugins run the same
-checks over the registry (``tests/test_contracts.py``). In a plugin's own tests::
+checks over the registry (``tests/core/test_contracts.py``). In a plugin's own tests::
 
     from eblvm_core.testing import check_divergence
     from eblvm_mydiv import MyDivergence

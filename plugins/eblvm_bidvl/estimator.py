@@ -72,7 +72,7 @@ class BiDVLConfig:
 class BiDVL(Estimator):
     """BiDVL with the energy, the encoder and the generator each stepped by its own optimizer.
 
-    bf16: tests/test_precision.py holds its gradients and losses near fp32's. Graph-safe: the
+    bf16: tests/core/test_precision.py holds its gradients and losses near fp32's. Graph-safe: the
     same kernels on same-shaped tensors every step, no device value read on the host (spectral
     norm's power iteration and batch norm's statistics update their buffers in place).
     """

