@@ -347,7 +347,8 @@ def _fit(
                 else "no checkpoint had been written, so it starts again from step 0"
             )
             raise Interrupted(
-                f"interrupted at step {trainer.step}; resume with: {resume_command(run_dir, world)} ({since})"
+                f"Ctrl-C at step {trainer.step}, stopped at once; resume with: {resume_command(run_dir, world)} "
+                f"({since})"
             ) from None
         except OSError as exc:
             raise FileSystemError(
@@ -369,8 +370,9 @@ def _fit(
         elif isinstance(exc, Interrupted):
             status = "interrupted"
         if rank == 0 and isinstance(exc, EblvmError):
+            label = "interrupted" if isinstance(exc, Interrupted) else "error"
             with contextlib.suppress(OSError):
-                log.write(f"error: {exc}")
+                log.write(f"{label}: {exc}")
         raise
     finally:
         for logger in built.loggers:
