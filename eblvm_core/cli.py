@@ -88,12 +88,7 @@ def run(
     def go() -> None:
         from eblvm_core.session import run as train
 
-        run_dir, results = train(recipe, override, device, out, resume, echo=typer.echo)
-        if os.environ.get("RANK", "0") != "0":
-            return
-        for key, value in results.items():
-            typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
-        typer.echo(f"done: {run_dir}")
+        train(recipe, override, device, out, resume, echo=typer.echo)  # prints the final evaluation and done:
 
     guarded(go)
 
