@@ -84,13 +84,14 @@ class Run:
     ``run_dir``: the directory; ``metrics``: the final evaluation (``{"eval/<name>/<key>":
     value}``, what ``eblvm run`` prints, read back from metrics.jsonl when not given);
     ``recipe``, ``status``, ``history()``, ``checkpoints()``; ``load()`` for the parts, and
-    ``evaluate()``/``sample()`` on a checkpoint.
+    ``evaluate()``/``sample()`` on a checkpoint. ``echo`` gets the line that names the latest
+    run of a name folder (None: nowhere).
     """
 
-    def __init__(self, run_dir: str | Path, metrics: Mapping[str, float] | None = None):
+    def __init__(self, run_dir: str | Path, metrics: Mapping[str, float] | None = None, *, echo: Echo = print):
         self.run_dir, note = find_run_dir(run_dir)
-        if note is not None:
-            print(note, file=sys.stderr)
+        if note is not None and echo is not None:
+            echo(note)
         self.metrics: dict[str, float] = dict(metrics) if metrics else self._final()
 
     def __repr__(self) -> str:
@@ -219,7 +220,8 @@ def train(
     (or one drawn and written into recipe.toml), the CPU threads of [run] threads (torch's
     setting is put back afterwards), the [[log]] loggers, checkpoints, run.json and run.log.
     Ctrl-C stops after the step with a checkpoint (``errors.Interrupted``); errors are
-    ``EblvmError``s with the command line's message.
+    ``EblvmError``s with the command line's message. ``echo`` gets every line ``eblvm run``
+    prints, from the run directory to the final evaluation and ``done: <run_dir>``.
     """
     if (recipe is None) == (resume is None):
         raise ValueError("give a recipe or resume=RUN_DIR (one of them)")
@@ -231,7 +233,7 @@ def train(
         )
     finally:
         torch.set_num_threads(threads)
-    return Run(run_dir, results)
+    return Run(run_dir, results, echo=None)
 
 
 def load(

@@ -20,7 +20,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError, DataError
 from eblvm_core.graphs import recipe_graph_refusal
-from eblvm_core.plugins import load
+from eblvm_core.plugins import install_hint, load
 from eblvm_core.recipe import Recipe, Role, Section, load_recipe, read, validate
 from eblvm_core.registry import Entry, did_you_mean
 from eblvm_core.roles import Precision, TrainingRole
@@ -315,14 +315,16 @@ def build(
 
 def check_loggers(recipe: Recipe) -> None:
     """Refuse, before any work, a [[log]] whose logger needs a package that is not installed: its
-    factory names the module in ``requires`` (and may say how to install it in ``install``),
+    factory names the module in ``requires`` and says how to install it, by the eblvm extra
+    that holds it (``extra = "wandb"``: ``plugins.install_hint``) or a command (``install``),
     looked up without importing it. Called by ``validate`` and ``run``, not by ``eval``/``sample``,
     which build no loggers."""
     for section in recipe.logs:
         factory = section.entry.factory
         requires = getattr(factory, "requires", None)
         if requires and importlib.util.find_spec(requires) is None:
-            install = getattr(factory, "install", f"pip install {requires}")
+            extra = getattr(factory, "extra", None)
+            install = install_hint(extra) if extra else getattr(factory, "install", f"pip install {requires}")
             raise ConfigError(
                 section.label,
                 "kind",

@@ -22,29 +22,38 @@ app = typer.Typer(
 )
 
 
-def fail(message: str, code: int = 2) -> None:
-    typer.echo(f"error: {message}", err=True)
+def fail(message: str, code: int = 2, label: str = "error") -> None:
+    """Print ``message`` on stderr, each of its lines as ``label: line`` (several errors found
+    together are one line each), and exit with ``code``."""
+    for line in message.splitlines() or [""]:
+        typer.echo(f"{label}: {line}", err=True)
     raise typer.Exit(code)
 
 
 def guarded(fn: Callable[[], None]) -> None:
-    """Run ``fn``; user-facing errors become one line on stderr and their exit code (2: a wrong
-    recipe, override or file; 3: diverged; 130: interrupted; 1: the file system refused). Under
-    several processes a stop every rank reaches together (a signal, a divergence) is printed
-    by rank 0 alone; another rank's own error is printed with its rank."""
+    """Run ``fn``; user-facing errors become one line on stderr (``error: ...``, one line per
+    error when several were found together) and their exit code (2: a wrong recipe, override or
+    file; 3: diverged; 1: the file system refused). A deliberate stop is no error: Ctrl-C or
+    SIGTERM prints ``interrupted: ...`` (how to resume) and exits with 130. Under several
+    processes a stop every rank reaches together (a signal, a divergence) is printed by rank 0
+    alone; another rank's own error is printed with its rank."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         fn()
-    except (Interrupted, TrainingDiverged) as exc:
+    except Interrupted as exc:
+        if rank:
+            raise typer.Exit(exc.exit_code) from None
+        fail(str(exc), code=exc.exit_code, label="interrupted")
+    except TrainingDiverged as exc:
         if rank:
             raise typer.Exit(exc.exit_code) from None
         fail(str(exc), code=exc.exit_code)
     except EblvmError as exc:
-        fail(f"rank {rank}: {exc}" if rank else str(exc), code=exc.exit_code)
+        fail("\n".join(f"rank {rank}: {line}" for line in str(exc).splitlines()) if rank else str(exc), exc.exit_code)
     except KeyboardInterrupt:
         if rank:
             raise typer.Exit(130) from None
-        fail("interrupted", code=130)
+        fail("Ctrl-C", code=130, label="interrupted")
 
 
 @app.command()
@@ -79,12 +88,7 @@ def run(
     def go() -> None:
         from eblvm_core.session import run as train
 
-        run_dir, results = train(recipe, override, device, out, resume, echo=typer.echo)
-        if os.environ.get("RANK", "0") != "0":
-            return
-        for key, value in results.items():
-            typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
-        typer.echo(f"done: {run_dir}")
+        train(recipe, override, device, out, resume, echo=typer.echo)  # prints the final evaluation and done:
 
     guarded(go)
 

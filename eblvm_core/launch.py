@@ -117,7 +117,7 @@ def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> i
                 if where
                 else "no run directory was made yet: run the same command again"
             )
-            print(f"error: stopped at once by a second Ctrl-C; {advice}", file=sys.stderr)
+            print(f"interrupted: stopped at once by a second Ctrl-C; {advice}", file=sys.stderr)
             return 130
         return code
 

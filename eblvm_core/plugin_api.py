@@ -55,6 +55,7 @@ from eblvm_core.distributed import mean_over_ranks, world_size
 from eblvm_core.errors import ConfigError, DataError, EblvmError
 from eblvm_core.hookspecs import hookimpl
 from eblvm_core.plot import densities, embedding, image_grid, render
+from eblvm_core.plugins import install_hint
 from eblvm_core.registry import NoConfig, Registry
 from eblvm_core.roles import TrainingRole
 from eblvm_core.rundir import METRICS, RECIPE, hyperparameters
@@ -120,6 +121,7 @@ __all__ = [
     "image_grid",
     "render",
     "save_atomic",
+    "install_hint",
     "METRICS",
     "RECIPE",
     "hyperparameters",

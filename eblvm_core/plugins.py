@@ -17,6 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -28,6 +29,35 @@ from eblvm_core.registry import KINDS, Registry, did_you_mean
 GROUP = "eblvm"
 DISTRIBUTION = "eblvm"  # the distribution whose entry points are the bundled plugins
 BUILTIN = {"core": "eblvm_core.optim"}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
+
+
+def checkout() -> Path | None:
+    """The source tree eblvm runs from (its pyproject.toml names the eblvm distribution): an
+    editable install (``pip install -e .``) or a checkout on the path; None when eblvm was
+    installed from a package index or a wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        name = tomllib.loads((root / "pyproject.toml").read_text()).get("project", {}).get("name")
+    except (OSError, ValueError):
+        return None
+    return root if name == DISTRIBUTION else None
+
+
+def install_hint(extra: str) -> str:
+    """The pip command that adds eblvm's optional ``extra`` (``wandb``, ``mlflow``, ``fid``) as
+    eblvm is installed here: from a checkout ``pip install -e ".[extra]"`` when the working
+    directory is the checkout, else with the checkout's path; otherwise ``pip install
+    "eblvm[extra]"``. Every hint that names an extra comes from here."""
+    root = checkout()
+    if root is None:
+        return f'pip install "{DISTRIBUTION}[{extra}]"'
+    try:
+        here = Path.cwd().resolve() == root
+    except OSError:  # the working directory is gone
+        here = False
+    return f'pip install -e "{"." if here else root}[{extra}]"'
 
 
 @attrs.define

@@ -92,6 +92,10 @@ def run(
     through ``echo``); returns (run_dir, final eval). ``command`` is what run.json records as
     having started the session (default: the command line).
 
+    ``echo`` gets every line of the console, ``eblvm run``'s and ``eblvm.train``'s alike: the
+    run directory, the step and evaluation lines, the final evaluation (``name: value``, also
+    written to run.log) and last ``done: <run_dir>`` (rank 0 alone).
+
     On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, patience,
     intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
     checkpoint, before anything is written. Under torchrun every process calls it and joins the
@@ -119,7 +123,10 @@ def run(
         exc.file = exc.file or recipe.path
         raise
     with stop_on_signals() as signals, distributed.process_group(torch_device) as torch_device:
-        return _train(recipe, torch_device, out, resume, echo, signals, command)
+        run_dir, results = _train(recipe, torch_device, out, resume, echo, signals, command)
+        if distributed.rank() == 0:
+            echo(f"done: {run_dir}")
+        return run_dir, results
 
 
 class Signals:
@@ -344,7 +351,7 @@ def _fit(
                 else "no checkpoint had been written, so it starts again from step 0"
             )
             raise Interrupted(
-                f"interrupted at step {state.step}; resume with: {resume_command(run_dir, world)} ({since})"
+                f"Ctrl-C at step {state.step}, stopped at once; resume with: {resume_command(run_dir, world)} ({since})"
             ) from None
         except OSError as exc:
             raise FileSystemError(
@@ -355,7 +362,7 @@ def _fit(
         status = "finished" if trainer.stopped_early is None else "stopped early"
         if rank == 0:
             for key, value in results.items():
-                log.write(f"{key.removeprefix('eval/')}: {value:.6g}")
+                log(f"{key.removeprefix('eval/')}: {value:.6g}")
             for logger in loggers:
                 if hasattr(logger, "log_hparams"):
                     logger.log_hparams(hyperparameters(recipe), results)
@@ -366,8 +373,9 @@ def _fit(
         elif isinstance(exc, Interrupted):
             status = "interrupted"
         if rank == 0 and isinstance(exc, EblvmError):
+            label = "interrupted" if isinstance(exc, Interrupted) else "error"
             with contextlib.suppress(OSError):
-                RunLog(run_dir, quiet).write(f"error: {exc}")
+                RunLog(run_dir, quiet).write(f"{label}: {exc}")
         raise
     finally:
         for logger in loggers:

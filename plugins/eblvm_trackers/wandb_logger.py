@@ -160,4 +160,4 @@ def build_wandb(config: WandbConfig, run_dir: Path) -> WandbLogger:
 
 
 build_wandb.requires = "wandb"  # the optional package: validate and run refuse the recipe where it is missing
-build_wandb.install = 'pip install "eblvm[wandb]"'
+build_wandb.extra = "wandb"  # how to install it: eblvm's extra, as eblvm is installed (plugins.install_hint)

@@ -414,7 +414,7 @@ def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(interrupt_
     assert "Traceback" not in output, output
     # The launcher's line comes last; a rank that finished its own stop before the second Ctrl-C
     # reached the launcher (a loaded machine) has printed its line, with the same advice, before it.
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    errors = [line for line in output.splitlines() if line.startswith("interrupted:")]
     assert errors and all("resume with: " in line for line in errors), output
     line = errors[-1]
     advice = line.split("resume with: ")[1].split(" (")[0]

@@ -39,10 +39,10 @@ def snapshot(run_dir: Path) -> dict[str, bytes]:
     }
 
 
-def one_line(result, code: int = 2) -> str:
+def one_line(result, code: int = 2, label: str = "error") -> str:
     assert result.exit_code == code, result.output
     assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.startswith("error: ")]
+    lines = [line for line in result.output.strip().splitlines() if line.startswith(f"{label}: ")]
     assert len(lines) == 1, result.output
     return lines[0]
 
@@ -371,7 +371,8 @@ def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_rec
     run_dir = only_run_dir(out)
     state = ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))
     assert 0 < state["step"] < 1500, "the signal came too late; the test proves nothing"
-    assert f"{signal.Signals(signum).name} at step {state['step']}/1500" in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith(f"interrupted: {signal.Signals(signum).name} at step {state['step']}/1500"), stderr
     assert f"resume with: eblvm run --resume {run_dir}" in stderr and "Traceback" not in stderr
     assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["status"] == "interrupted"
     if signum != signal.SIGINT:
@@ -411,9 +412,9 @@ def test_a_second_ctrl_c_before_the_first_checkpoint_gives_advice_that_works(cli
 
     poison_at(monkeypatch, 15, second_ctrl_c)
     options = ["-o", "run.checkpoint_every=30"]
-    line = one_line(cli(["run", write_recipe(), "--out", tmp_path / "runs", *options]), code=130)
+    line = one_line(cli(["run", write_recipe(), "--out", tmp_path / "runs", *options]), code=130, label="interrupted")
     run_dir = only_run_dir(tmp_path / "runs")
-    assert line.startswith("error: interrupted at step 14; resume with: "), line
+    assert line.startswith("interrupted: Ctrl-C at step 14, stopped at once; resume with: "), line
     assert "no checkpoint had been written, so it starts again from step 0" in line, line
     assert not (run_dir / "checkpoints" / "last.pt").exists() and not (run_dir / ".lock").exists()
     advice = line.split("resume with: ")[1].split(" (")[0]

