@@ -21,10 +21,9 @@ from eblvm_core.contracts import DataSplits, EvalResult, Logger, Parts, Schedule
 from eblvm_core.errors import ConfigError, DataError
 from eblvm_core.graphs import recipe_graph_refusal
 from eblvm_core.plugins import install_hint, load
-from eblvm_core.recipe import Recipe, Role, Section, load_recipe, read, validate
+from eblvm_core.recipe import Recipe, Role, Section, load_recipe
 from eblvm_core.registry import Entry, did_you_mean
 from eblvm_core.roles import Precision, TrainingRole
-from eblvm_core.spec import is_spec, load_spec
 
 
 @attrs.frozen
@@ -342,25 +341,14 @@ def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:
         raise
 
 
-def resolved_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Recipe]:
-    """The recipe a file resolves to (includes merged, overrides applied, defaults filled in), or
-    for a comparison spec each row's, by row name (the file's name for a plain recipe)."""
-    raw = read(path)
-    if is_spec(raw):
-        spec = load_spec(path, overrides)
-        return {m.name: validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods}
-    return {str(path): load_recipe(path, overrides)}
-
-
-def dry_run(path: str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
-    """``eblvm validate``: build a recipe (or every row of a comparison spec) on the CPU
-    without training or writing; returns the warnings. Raises what ``run`` would raise before
+def dry_run(recipe: Recipe | str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
+    """``eblvm validate`` of one recipe (a ``Recipe``, or a file with ``overrides``): build it on the
+    CPU without training or writing; returns the warnings. Raises what ``run`` would raise before
     its first step. Without ``check_data`` data sets may stand in for absent files."""
-    warnings: list[str] = []
-    for recipe in resolved_recipes(path, overrides).values():
-        check_loggers(recipe)
-        with torch.random.fork_rng(devices=[]):
-            ckpt.seed_everything(recipe.run.seed or 0)
-            built = build(recipe, torch.device("cpu"), dry_run=not check_data)
-        warnings += [w for w in built.parts.warnings if w not in warnings]
-    return warnings
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe, overrides)
+    check_loggers(recipe)
+    with torch.random.fork_rng(devices=[]):
+        ckpt.seed_everything(recipe.run.seed or 0)
+        built = build(recipe, torch.device("cpu"), dry_run=not check_data)
+    return list(dict.fromkeys(built.parts.warnings))

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import typer
 
-from eblvm_core.errors import EblvmError, Interrupted, TrainingDiverged
+from eblvm_core import experiments
+from eblvm_core.command import check_device, fail, guarded
+from eblvm_core.errors import EblvmError
 
 app = typer.Typer(
     add_completion=False,
@@ -20,40 +22,6 @@ app = typer.Typer(
     help="Learn energy-based latent variable models from TOML recipes.",
     epilog="Plugins may add commands: `eblvm plugins` lists them.",
 )
-
-
-def fail(message: str, code: int = 2, label: str = "error") -> None:
-    """Print ``message`` on stderr, each of its lines as ``label: line`` (several errors found
-    together are one line each), and exit with ``code``."""
-    for line in message.splitlines() or [""]:
-        typer.echo(f"{label}: {line}", err=True)
-    raise typer.Exit(code)
-
-
-def guarded(fn: Callable[[], None]) -> None:
-    """Run ``fn``; user-facing errors become one line on stderr (``error: ...``, one line per
-    error when several were found together) and their exit code (2: a wrong recipe, override or
-    file; 3: diverged; 1: the file system refused). A deliberate stop is no error: Ctrl-C or
-    SIGTERM prints ``interrupted: ...`` (how to resume) and exits with 130. Under several
-    processes a stop every rank reaches together (a signal, a divergence) is printed by rank 0
-    alone; another rank's own error is printed with its rank."""
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        fn()
-    except Interrupted as exc:
-        if rank:
-            raise typer.Exit(exc.exit_code) from None
-        fail(str(exc), code=exc.exit_code, label="interrupted")
-    except TrainingDiverged as exc:
-        if rank:
-            raise typer.Exit(exc.exit_code) from None
-        fail(str(exc), code=exc.exit_code)
-    except EblvmError as exc:
-        fail("\n".join(f"rank {rank}: {line}" for line in str(exc).splitlines()) if rank else str(exc), exc.exit_code)
-    except KeyboardInterrupt:
-        if rank:
-            raise typer.Exit(130) from None
-        fail("Ctrl-C", code=130, label="interrupted")
 
 
 @app.command()
@@ -77,7 +45,7 @@ def run(
     Under torchrun (`torchrun --nproc-per-node G -m eblvm run RECIPE`) every process runs this
     command; rank 0 alone writes and prints. [run] batch_size is the global batch.
     """
-    _check_device(device)
+    check_device(device)
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
     if nproc_per_node is not None:
@@ -143,17 +111,23 @@ def validate(
     row by row. With --show, each resolved recipe is printed as `eblvm run` would write it into
     the run directory's recipe.toml.
     """
-    from eblvm_core.build import dry_run, resolved_recipes
+    from eblvm_core.build import dry_run
+    from eblvm_core.experiments.spec import is_spec, spec_recipes
+    from eblvm_core.recipe import load_recipe, read
 
     bad = 0
     for path in recipes:
         try:
-            for warning in dry_run(path, override, check_data):
+            resolved = spec_recipes(path, override) if is_spec(read(path)) else {str(path): load_recipe(path, override)}
+            warnings: dict[str, None] = {}
+            for recipe in resolved.values():
+                warnings.update(dict.fromkeys(dry_run(recipe, check_data=check_data)))
+            for warning in warnings:
                 typer.echo(f"warning: {path}: {warning}", err=True)
             if show:
                 import tomli_w
 
-                for name, recipe in resolved_recipes(path, override).items():
+                for name, recipe in resolved.items():
                     typer.echo(f"# {name}\n{tomli_w.dumps(recipe.to_dict())}")
             typer.echo(f"ok: {path}")
         except EblvmError as exc:
@@ -188,13 +162,6 @@ def plugins() -> None:
         typer.echo(f"{name}  FAILED: {why}")
 
 
-def _check_device(device: str | None) -> None:
-    import re
-
-    if device is not None and not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", device):
-        fail(f"--device must be auto, cpu, cuda, cuda:N or mps, got '{device}'")
-
-
 @app.command("eval")
 def eval_run(
     run_dir: Path = typer.Argument(
@@ -226,7 +193,7 @@ def eval_run(
     `eblvm eval RUN -e ais-loglik -o eval.0.n_chains=500` runs AIS alone with 500 chains;
     `--checkpoint step:5000` evaluates the checkpoint kept at step 5000 ([run] keep_every).
     """
-    _check_device(device)
+    check_device(device)
 
     def go() -> None:
         from eblvm_core.evaluate import evaluator_tables, load_run, record, run_evaluators
@@ -272,7 +239,7 @@ def sample(
     """Draw samples from a trained model with the recipe's sampler settings; save them as an image
     (a scatter for 2-D data, else a grid upscaled to a readable size, see --scale) and as raw values
     (n, *event_shape) beside it (.pt or .npy)."""
-    _check_device(device)
+    check_device(device)
     if raw not in ("pt", "npy"):
         fail(f"--raw must be pt or npy, got '{raw}'")
     if out is not None and out.suffix.lower() not in (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp"):
@@ -296,41 +263,11 @@ def sample(
     guarded(go)
 
 
-@app.command()
-def compare(
-    spec: Path = typer.Argument(
-        ..., help="comparison spec (TOML with [compare] and [[method]] sections, optionally a [sweep] grid)"
-    ),
-    seeds: int | None = typer.Option(None, min=1, help="seeds per method or grid point (default: the spec's)"),
-    seed_offset: int | None = typer.Option(
-        None, min=0, help="first seed (default: the spec's seed_offset); more seeds of a finished comparison"
-    ),
-    jobs: int = typer.Option(1, min=1, help="runs in parallel processes"),
-    steps: int | None = typer.Option(None, min=1, help="override run.steps of every method (quick or smoke runs)"),
-    out: Path | None = typer.Option(None, help="results folder (default results/<name>)"),
-    override: list[str] = typer.Option([], "-o", "--override", help="section.key=value for every method; repeatable"),
-    device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: each recipe's)"),
-    only: list[str] = typer.Option(
-        [],
-        "--only",
-        help="train only this method (all its grid points) or this grid point, named as its table row "
-        "(repeatable); the table still shows every row run so far",
-    ),
-) -> None:
-    """Run a set of recipes over seeds (and over a [sweep] grid of recipe values); write a Markdown
-    table, a figure and results.json. Running it again resumes: finished runs are not rerun,
-    killed ones continue."""
-    _check_device(device)
+def _add_command(fn: Callable[..., None], name: str | None = None) -> None:
+    app.command(name or fn.__name__.replace("_", "-"))(fn)
 
-    def go() -> None:
-        from eblvm_core.compare import compare as run_compare
 
-        folder = run_compare(
-            spec, seeds, jobs, steps, out, device, override, echo=typer.echo, only=only, seed_offset=seed_offset
-        )
-        typer.echo(f"done: {folder}")
-
-    guarded(go)
+experiments.register_commands(register=_add_command)  # eblvm's own commands of many runs (compare)
 
 
 def main() -> None:
@@ -340,10 +277,12 @@ def main() -> None:
     builtin = {command.name or command.callback.__name__ for command in app.registered_commands}
     command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
     if command is not None and command not in builtin:
-        from eblvm_core.plugins import load
+        from eblvm_core.plugins import BUILTIN, load
 
         owners: dict[str, str] = {}
         for name, fn, plugin in load().commands:
+            if plugin in BUILTIN:
+                continue  # eblvm's own, registered with the app
             if name in builtin:
                 typer.echo(
                     f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True

@@ -28,7 +28,10 @@ from eblvm_core.registry import KINDS, Registry, did_you_mean
 
 GROUP = "eblvm"
 DISTRIBUTION = "eblvm"  # the distribution whose entry points are the bundled plugins
-BUILTIN = {"core": "eblvm_core.optim"}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
+BUILTIN = {
+    "core": "eblvm_core.optim",
+    "experiments": "eblvm_core.experiments",
+}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
 
 
 def checkout() -> Path | None:

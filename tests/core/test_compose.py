@@ -137,7 +137,7 @@ def test_a_comparison_spec_and_its_method_recipes_may_include(cli, tmp_path):
         recipe = "recipes/wide.toml"
         """,
     )
-    from eblvm_core.spec import load_spec
+    from eblvm_core.experiments.spec import load_spec
 
     loaded = load_spec(spec)
     assert [m.name for m in loaded.methods] == ["base", "wide"] and loaded.compare.name == "composed"

@@ -15,9 +15,18 @@ from tests.support import ROOT
 CORE = ROOT / "eblvm_core"
 
 
-def imported_modules(path: Path, package: str) -> set[str]:
-    """Names of the ``package`` modules a file imports anywhere in it (``from package import x``
-    counts as ``package.x`` when x is a module of the package)."""
+def module_name(path: Path) -> str:
+    """The dotted name of a module file under the repository (a package's ``__init__`` is the package)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+CORE_MODULES = {module_name(p) for p in CORE.rglob("*.py")}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The eblvm_core modules a file imports anywhere in it (``from package import x`` counts as
+    ``package.x`` when x is a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -25,17 +34,13 @@ def imported_modules(path: Path, package: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    modules = {f"{package}.{p.stem}" for p in (ROOT / package).glob("*.py")}
-    return {name for name in names if name in modules}
+    return {name for name in names if name in CORE_MODULES}
 
 
 def core_graph() -> dict[str, set[str]]:
-    """eblvm_core module -> the eblvm_core modules it imports (``__init__`` left out)."""
-    return {
-        f"eblvm_core.{p.stem}": imported_modules(p, "eblvm_core") - {"eblvm_core.__init__", f"eblvm_core.{p.stem}"}
-        for p in CORE.glob("*.py")
-        if p.stem != "__init__"
-    }
+    """eblvm_core module -> the eblvm_core modules it imports (the top package left out)."""
+    graph = {module_name(p): imported_modules(p) for p in CORE.rglob("*.py")}
+    return {name: deps - {"eblvm_core", name} for name, deps in graph.items() if name != "eblvm_core"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -84,16 +89,24 @@ def test_no_import_circle_in_the_core():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module", ["evaluate", "compare", "build", "state", "rundir", "checkpoint"])
+@pytest.mark.parametrize("module", ["evaluate", "experiments.compare", "build", "state", "rundir", "checkpoint"])
 def test_working_on_saved_runs_needs_no_training_loop(module):
     """``eval``/``sample`` restore a run through the run-state and checkpoint modules; ``compare``
     starts runs through ``session`` only (itself importing the loop), never the loop directly."""
     graph = core_graph()
     imported = below(graph, f"eblvm_core.{module}")
-    if module == "compare":
-        assert "eblvm_core.trainer" not in graph["eblvm_core.compare"]
+    if module == "experiments.compare":
+        assert "eblvm_core.trainer" not in graph["eblvm_core.experiments.compare"]
     else:
         assert not {"eblvm_core.trainer", "eblvm_core.session"} & imported, imported
+
+
+@pytest.mark.parametrize("module", ["build", "session", "trainer", "state"])
+def test_the_engine_does_not_import_the_commands_of_many_runs(module):
+    """``compare`` and its spec reach the CLI through the command hook; nothing that trains a run
+    imports them (or the CLI)."""
+    reached = below(core_graph(), f"eblvm_core.{module}")
+    assert not {m for m in reached if m.startswith("eblvm_core.experiments") or m == "eblvm_core.cli"}, reached
 
 
 PLUGIN_API = "eblvm_core.plugin_api"

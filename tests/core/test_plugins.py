@@ -85,7 +85,7 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
 def test_load_plugins_pins_the_set(tmp_path):
     proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,grbm")
     names = [line.split()[0] for line in proc.stdout.splitlines() if line and not line.startswith(" ")]
-    assert names == ["core", "grbm", "toy"]
+    assert names == ["core", "experiments", "grbm", "toy"]  # the core's own two, always
     proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,nosuch")
     assert "plugin 'nosuch' failed" in proc.stderr and "not installed" in proc.stderr
 

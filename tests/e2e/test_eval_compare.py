@@ -618,7 +618,7 @@ def test_a_copied_spec_finds_its_recipes_from_the_working_directory(cli, tmp_pat
     recipe beside the spec wins; a recipe found in neither place is one line naming both."""
     import shutil
 
-    from eblvm_core.compare import load_spec
+    from eblvm_core.experiments.compare import load_spec
 
     root = RECIPES.parent
     copy = tmp_path / "mine" / "spec.toml"
@@ -646,7 +646,7 @@ def test_a_copied_spec_finds_its_recipes_from_the_working_directory(cli, tmp_pat
 def test_curve_axis_fits_the_data_and_marks_clipping():
     """A short run entirely below curve_range keeps its later half in view (not flattened onto the
     clip value); earlier excursions are clipped and drawn as triangles; no range fits everything."""
-    from eblvm_core.compare import curve_axis
+    from eblvm_core.experiments.compare import curve_axis
     from eblvm_core.plot import comparison, render
 
     curves = {"short": [(1, -3.0), (2, -1.5), (3, -1.2), (4, -1.1)], "long": [(1, -0.9), (2, 0.1), (3, 0.2), (4, 0.3)]}
@@ -694,7 +694,7 @@ def test_baseline_recipes_validate(name):
 
 @pytest.mark.parametrize("spec", sorted(p.name for p in (RECIPES / "compare").glob("*.toml")))
 def test_comparison_specs_validate(spec, monkeypatch):
-    from eblvm_core.compare import load_spec
+    from eblvm_core.experiments.compare import load_spec
 
     monkeypatch.chdir(RECIPES.parent)  # specs may name recipes from the project's root
 

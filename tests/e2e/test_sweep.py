@@ -196,7 +196,7 @@ def test_a_wrong_sweep_is_one_line_naming_the_spec_and_key(cli, grid_spec, sweep
 def test_grid_rows_labels_and_method_grids(tmp_path):
     """Rows in the order written, the first key slowest; a key written unquoted (nested tables)
     is the same key; a method's own sweep replaces the spec's, and sweep = {} is one plain row."""
-    from eblvm_core.spec import load_spec, show
+    from eblvm_core.experiments.spec import load_spec, show
 
     write(tmp_path, "r.toml", SMALL_RECIPE)
     spec = write(
@@ -247,7 +247,7 @@ def test_grid_rows_labels_and_method_grids(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (RECIPES / "compare").glob("*.toml")))
 def test_a_spec_without_a_sweep_has_one_row_per_method(name, monkeypatch):
-    from eblvm_core.spec import load_spec
+    from eblvm_core.experiments.spec import load_spec
 
     monkeypatch.chdir(RECIPES.parent)
     raw = parse(RECIPES / "compare" / name)

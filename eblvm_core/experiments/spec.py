@@ -51,7 +51,7 @@ import attrs
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import load
-from eblvm_core.recipe import _component, apply_override, read, set_value, validate
+from eblvm_core.recipe import Recipe, _component, apply_override, read, set_value, validate
 
 
 def is_spec(raw: dict[str, Any]) -> bool:
@@ -342,3 +342,10 @@ def resolve_recipe(spec_path: Path, recipe: str, section: str) -> Path:
         f"no recipe file {recipe!r}: neither {where}" if len(places) > 1 else f"no recipe file {where}",
         file=str(spec_path),
     )
+
+
+def spec_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Recipe]:
+    """Every method's recipe of a comparison spec (includes merged, overrides applied, defaults
+    filled in), by method name: what ``eblvm validate`` builds and ``--show`` prints."""
+    spec = load_spec(path, overrides)
+    return {m.name: validate(spec.recipes[m.name], str(spec.recipe_paths[m.name])) for m in spec.methods}

@@ -16,7 +16,7 @@ starts afresh.
 
 It lives in the core because it drives training sessions, which plugins must not start.
 
-A spec's format: ``eblvm_core.spec``.
+A spec's format: ``eblvm_core.experiments.spec``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import torch
 from torch import Tensor
 
 from eblvm_core.errors import ConfigError, TrainingDiverged
+from eblvm_core.experiments.spec import Spec, load_spec, select, slug
 from eblvm_core.rundir import Provenance
-from eblvm_core.spec import Spec, load_spec, select, slug
 
 # ---- running --------------------------------------------------------------------------------
 
