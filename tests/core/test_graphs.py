@@ -111,7 +111,7 @@ def test_the_logged_gradient_norm_is_the_mean_since_the_last_log_kept_in_one_ten
 def test_step_sums_add_in_place_as_the_loop_did_and_read_once():
     from collections import defaultdict
 
-    from eblvm_core.trainer import StepSums
+    from eblvm_core.progress import StepSums
 
     steps = [
         {"loss": torch.tensor(1.25), "lower_loss": torch.tensor(-0.5, dtype=torch.float64), "iterations": 3.0},
@@ -135,7 +135,7 @@ def test_step_sums_add_in_place_as_the_loop_did_and_read_once():
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_the_sentinel_turns_at_a_non_finite_loss_and_not_at_a_huge_one(bad):
-    from eblvm_core.trainer import StepSums
+    from eblvm_core.progress import StepSums
 
     sums = StepSums()
     for _ in range(3):
