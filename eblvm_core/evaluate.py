@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.build import Built, _make, build, build_loggers, pick_device, set_threads
+from eblvm_core.build import Built, _make, build, build_loggers
 from eblvm_core.config import structure
+from eblvm_core.context import pick_device, set_threads
 from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.plot import image_grid, render, scatter

@@ -21,16 +21,8 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.build import (
-    build,
-    build_loggers,
-    check_loggers,
-    cudnn_autotuned,
-    pick_device,
-    set_threads,
-    subnormals_flushed,
-)
-from eblvm_core.context import RunContext, quiet
+from eblvm_core.build import build, build_loggers, check_loggers
+from eblvm_core.context import RunContext, cudnn_autotuned, pick_device, quiet, set_threads, subnormals_flushed
 from eblvm_core.contracts import Logger
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
 from eblvm_core.launch import resume_command
@@ -100,7 +92,7 @@ def run(
     intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
     checkpoint, before anything is written. Under torchrun every process calls it and joins the
     process group for the run; ranks > 0 return an empty evaluation. On a CPU, subnormal floats
-    are flushed to zero while it trains and evaluates (``build.subnormals_flushed``).
+    are flushed to zero while it trains and evaluates (``context.subnormals_flushed``).
     """
     if resume is not None:
         run_dir, note = find_run_dir(resume, "cannot resume")

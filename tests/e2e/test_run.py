@@ -222,7 +222,7 @@ def test_threads_are_chosen_by_model_size():
     and on other devices; a positive value is used as it is."""
     from torch import nn
 
-    from eblvm_core.build import SMALL_MODEL, set_threads
+    from eblvm_core.context import SMALL_MODEL, set_threads
     from eblvm_core.contracts import Parts
 
     before = torch.get_num_threads()
@@ -378,7 +378,7 @@ def test_a_role_whose_gradient_stays_zero_is_reported_once(write_recipe, tmp_pat
 def test_cudnn_autotuning_is_on_only_inside_a_cuda_run_that_asks_for_it():
     """[run] cudnn_benchmark turns cuDNN's timing of algorithms on for a CUDA run's block and puts
     the previous setting back, also when the block fails; a CPU run or a run without it leaves it."""
-    from eblvm_core.build import cudnn_autotuned
+    from eblvm_core.context import cudnn_autotuned
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert torch.backends.cudnn.benchmark is False  # torch's default, which the runs keep unless asked
