@@ -243,7 +243,7 @@ def build(
         evaluators = [(s.kind, _make(s, parts)) for s in recipe.evals]
         _check_select_metric(recipe, evaluators)
     except ConfigError as exc:
-        exc.file = exc.file or recipe.path
+        recipe.blame(exc)
         raise
     return Built(parts, dict(parts.roles), evaluators, precision, cpu_because)
 
@@ -260,12 +260,11 @@ def check_loggers(recipe: Recipe) -> None:
         if requires and importlib.util.find_spec(requires) is None:
             extra = getattr(factory, "extra", None)
             install = install_hint(extra) if extra else getattr(factory, "install", f"pip install {requires}")
-            raise ConfigError(
-                section.label,
-                "kind",
-                f"the {section.kind} logger needs the {requires} package: {install}",
-                file=recipe.path,
+            error = ConfigError(
+                section.label, "kind", f"the {section.kind} logger needs the {requires} package: {install}"
             )
+            recipe.blame(error)
+            raise error
 
 
 def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:

@@ -131,7 +131,8 @@ def validate(
                     typer.echo(f"# {name}\n{tomli_w.dumps(recipe.to_dict())}")
             typer.echo(f"ok: {path}")
         except EblvmError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            for line in str(exc).splitlines():  # several errors found together: one line each
+                typer.echo(f"error: {line}", err=True)
             bad += 1
     if bad:
         raise typer.Exit(2)

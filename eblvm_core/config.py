@@ -117,26 +117,30 @@ def coerce(value: Any, tp: Any) -> Any:
 
 
 def structure(cls: type, values: dict[str, Any], section: str) -> Any:
-    """Build the attrs config ``cls`` from TOML ``values``; errors name the section and key."""
+    """Build the attrs config ``cls`` from TOML ``values``; errors name the section and key, every
+    bad key at once (unknown keys, wrong values, missing required keys, in the order written:
+    ``ConfigError.combine``)."""
     attrs.resolve_types(cls)
     fields = {f.name: f for f in attrs.fields(cls)}
-    for key in values:
-        if key not in fields:
-            hint = did_you_mean(key, list(fields))
-            valid = ", ".join(fields) or "none"
-            raise ConfigError(section, key, f"unknown key{hint}; valid keys: {valid}")
+    errors = []
     kwargs = {}
     for key, value in values.items():
-        field = fields[key]
+        field = fields.get(key)
+        if field is None:
+            hint = did_you_mean(key, list(fields))
+            valid = ", ".join(fields) or "none"
+            errors.append(ConfigError(section, key, f"unknown key{hint}; valid keys: {valid}"))
+            continue
         try:
             kwargs[key] = coerce(value, field.type)
             if field.validator is not None:
                 field.validator(None, field, kwargs[key])
         except (TypeError, ValueError) as exc:
-            raise ConfigError(section, key, str(exc)) from None
-    missing = [f.name for f in fields.values() if f.default is attrs.NOTHING and f.name not in kwargs]
-    if missing:
-        raise ConfigError(section, missing[0], "required key is missing")
+            errors.append(ConfigError(section, key, str(exc)))
+    missing = [f.name for f in fields.values() if f.default is attrs.NOTHING and f.name not in values]
+    errors += [ConfigError(section, name, "required key is missing") for name in missing]
+    if errors:
+        raise ConfigError.combine(errors)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -451,6 +451,12 @@ class Logger:
     def log_images(self, step: int, images: dict[str, Tensor]) -> None:
         """Record images (C, H, W) in [0, 1] at ``step``."""
 
+    def log_evaluation(self, step: int, scalars: dict[str, float], checkpoint: str) -> None:
+        """Record what ``eblvm eval`` found on ``checkpoint`` ("last", "best", "step:N" or a file),
+        whose step is ``step``; by default as scalars at ``step``. A logger that keeps a row per
+        checkpoint (the CSV table) tells them apart by ``checkpoint``, as metrics.jsonl does."""
+        self.log_scalars(step, scalars)
+
     def resume(self, step: int) -> None:
         """The run continues from its checkpoint at ``step``: drop (or hide) what an earlier session
         recorded after it, which the resumed run records again."""

@@ -37,6 +37,42 @@ class ConfigError(EblvmError):
         where = " ".join(filter(None, [f"[{self.section}]" if self.section else "", self.key or ""]))
         return ": ".join(filter(None, [self.file or "", where, self.message]))
 
+    @property
+    def errors(self) -> list[ConfigError]:
+        """The single errors this one holds: itself (``ConfigErrors``: each of several)."""
+        return [self]
+
+    @staticmethod
+    def combine(errors: list[ConfigError]) -> ConfigError:
+        """One error for ``errors`` (ConfigErrors flattened): the error itself when there is one,
+        else a ``ConfigErrors`` holding them in order."""
+        flat = [single for error in errors for single in error.errors]
+        return flat[0] if len(flat) == 1 else ConfigErrors(flat)
+
+
+class ConfigErrors(ConfigError):
+    """Several ConfigErrors found together (every bad key of a recipe), printed one line each.
+    ``errors`` lists them; ``section``, ``key`` and ``message`` are the first's; setting ``file``
+    (or ``section``) sets it on each that has none yet."""
+
+    def __init__(self, errors: list[ConfigError]):
+        first = errors[0]
+        self.__dict__["all"] = list(errors)
+        super().__init__(first.section, first.key, first.message, first.file)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in ("file", "section") and value:
+            for error in self.__dict__.get("all", []):
+                setattr(error, name, getattr(error, name) or value)
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return list(self.__dict__["all"])
+
+    def __str__(self) -> str:
+        return "\n".join(str(error) for error in self.__dict__["all"])
+
 
 class DataError(EblvmError):
     """A dataset file or folder is missing or malformed; ``key`` is the [data] key that points at it."""

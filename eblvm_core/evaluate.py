@@ -229,7 +229,11 @@ def record(run: LoadedRun, result: EvalResult, log: bool = True) -> list[Path]:
         try:
             for logger in loggers:
                 if result.scalars:
-                    logger.log_scalars(run.step, result.scalars)
+                    log_evaluation = getattr(logger, "log_evaluation", None)  # a logger need not subclass Logger
+                    if log_evaluation is not None:
+                        log_evaluation(run.step, result.scalars, run.checkpoint)
+                    else:
+                        logger.log_scalars(run.step, result.scalars)
                 if result.images:
                     logger.log_images(run.step, result.images)
         finally:

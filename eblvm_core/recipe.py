@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -132,12 +134,24 @@ class Role:
 
 @attrs.frozen
 class Recipe:
+    """A validated recipe: ``path`` names its file (``<recipe dict>`` for data), ``overrides`` the
+    ``-o`` values applied to it, which errors found later (building it, resuming with it) name
+    where they caused the error (``blame``)."""
+
     path: str
     run: RunConfig
     parts: dict[str, Section]
     optim: dict[str, Role]
     evals: list[Section]
     logs: list[Section]
+    overrides: tuple[str, ...] = ()
+
+    def blame(self, exc: ConfigError) -> None:
+        """Name where each error of ``exc`` comes from, unless it is named already: the ``-o``
+        value that set its section and key (``blame``), else the recipe's file."""
+        blame(exc, self.overrides)
+        for error in exc.errors:
+            error.file = error.file or self.path
 
     def default_of(self, path: str) -> Any:
         """The default of the option at a dotted path of ``to_dict()`` ("generator.base",
@@ -190,6 +204,64 @@ def parse_value(text: str) -> Any:
 
 
 INDEX = re.compile(r"[0-9]+")
+
+
+def override_path(override: str) -> str | None:
+    """The dotted recipe path an ``-o`` value sets (``optim.model.lr``) or drops (``~eval.1`` ->
+    ``eval.1``); None for text that is neither."""
+    text = override.strip()
+    if text.startswith("~"):
+        return text[1:].strip() or None
+    path, sep, _value = text.partition("=")
+    return path.strip() or None if sep else None
+
+
+def caused_by(error: ConfigError, overrides: Sequence[str]) -> str | None:
+    """The last of ``overrides`` that set or dropped the section and key ``error`` names (or, for
+    an error about a whole section or list item, something inside it), else None."""
+    where = ".".join(filter(None, [error.section, error.key]))
+    if not where:
+        return None
+    for override in reversed(overrides):
+        path = override_path(override)
+        if path is None:
+            continue
+        drop = override.strip().startswith("~")
+        if where == path or (not drop and where.startswith(path + ".")):
+            return override
+        if error.key is None and not drop and path.startswith(where + "."):
+            return override
+    return None
+
+
+def blame(exc: ConfigError, overrides: Sequence[str], file: str | None = None) -> None:
+    """Name the ``-o`` value as the file of each error of ``exc`` it caused (``caused_by``)
+    where the error names ``file`` or no file yet: ``-o run.stepz=3: [run] stepz: unknown key``."""
+    for error in exc.errors:
+        if error.file in (None, file):
+            source = caused_by(error, overrides)
+            if source is not None:
+                error.file = f"-o {source}"
+
+
+def from_override(exc: ConfigError, override: str) -> ConfigError:
+    """An error ``apply_override`` raised, as an error of the ``-o`` value: named ``-o VALUE``, its
+    message without the "override 'VALUE'" it began with."""
+    for error in exc.errors:
+        error.file = f"-o {override}"
+        for prefix in (f"override '{override}': ", f"override '{override}' "):
+            error.message = error.message.removeprefix(prefix)
+    return exc
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """Apply ``-o`` values to ``raw`` in order (``apply_override``); an error names the ``-o``
+    value (``from_override``)."""
+    for override in overrides:
+        try:
+            apply_override(raw, override)
+        except ConfigError as exc:
+            raise from_override(exc, override) from None
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -367,43 +439,70 @@ def _check_text(node: Any, section: str, key: str | None = None) -> None:
 
 
 def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> Recipe:
-    """Check every section of a parsed recipe against the registries; raise ConfigError."""
+    """Check every section of a parsed recipe against the registries; raise a ConfigError naming
+    every bad key at once (``ConfigError.combine``: one line each), in the order of the sections."""
     plugins = plugins or load()
+    errors: list[ConfigError] = []
+
+    def checked(work: Callable[[], Any]) -> Any:
+        try:
+            return work()
+        except ConfigError as exc:
+            errors.append(exc)
+            return None
+
     try:
         _check_text(raw, "")
-        for key in raw:
-            if key in (INCLUDE, REPLACE):
-                raise ConfigError(
-                    "", key, "is resolved when a recipe file is read (recipe.read): give the recipe as a file"
-                )
-            if key not in TOP_LEVEL:
-                raise ConfigError(
-                    key, None, f"unknown section{did_you_mean(key, TOP_LEVEL)}; valid: {', '.join(TOP_LEVEL)}"
-                )
-        for key in REQUIRED:
-            if key not in raw:
-                raise ConfigError(key, None, "required section is missing")
-        run_body = raw.get("run", {})
-        if not isinstance(run_body, dict):
-            raise ConfigError("run", None, "must be a table")
-        run = structure(RunConfig, run_body, "run")
-        parts = {label: _component(label, raw[label], kind, plugins) for label, kind in SINGLE.items() if label in raw}
-        optim_raw = raw.get("optim", {})
-        if not isinstance(optim_raw, dict):
-            raise ConfigError("optim", None, "must hold tables such as [optim.model]")
-        optim = {name: _role(name, body, plugins) for name, body in optim_raw.items()}
-        lists: dict[str, list[Section]] = {}
-        for label, kind in LISTS.items():
-            items = raw.get(label, [])
-            if not isinstance(items, list):
-                raise ConfigError(label, None, f"must be an array of tables: write [[{label}]]")
-            lists[label] = [_component(f"{label}.{i}", body, kind, plugins) for i, body in enumerate(items)]
-        if "log" not in raw and DEFAULT_LOGGER in plugins["loggers"]:
-            lists["log"] = [_component("log.0", {"kind": DEFAULT_LOGGER}, "loggers", plugins)]
-        return Recipe(path, run, parts, optim, lists["eval"], lists["log"])
     except ConfigError as exc:
         exc.file = exc.file or path
         raise
+    meant = set()  # the sections an unknown one is a misspelling of: not also reported missing
+    for key in raw:
+        if key in (INCLUDE, REPLACE):
+            errors.append(
+                ConfigError("", key, "is resolved when a recipe file is read (recipe.read): give the recipe as a file")
+            )
+        elif key not in TOP_LEVEL:
+            meant.update(difflib.get_close_matches(key, TOP_LEVEL, n=1))
+            errors.append(
+                ConfigError(key, None, f"unknown section{did_you_mean(key, TOP_LEVEL)}; valid: {', '.join(TOP_LEVEL)}")
+            )
+    missing = [key for key in REQUIRED if key not in raw and key not in meant]
+    if missing:
+        also = f" (so are {', '.join(f'[{key}]' for key in missing[1:])})" if missing[1:] else ""
+        errors.append(ConfigError(missing[0], None, f"required section is missing{also}"))
+    run_body = raw.get("run", {})
+    if not isinstance(run_body, dict):
+        errors.append(ConfigError("run", None, "must be a table"))
+        run_body = {}
+    run = checked(lambda: structure(RunConfig, run_body, "run"))
+    parts = {}
+    for label, kind in SINGLE.items():
+        if label in raw:
+            parts[label] = checked(lambda label=label, kind=kind: _component(label, raw[label], kind, plugins))
+    optim_raw = raw.get("optim", {})
+    if not isinstance(optim_raw, dict):
+        errors.append(ConfigError("optim", None, "must hold tables such as [optim.model]"))
+        optim_raw = {}
+    optim = {name: checked(lambda name=name, body=body: _role(name, body, plugins)) for name, body in optim_raw.items()}
+    lists: dict[str, list[Section]] = {}
+    for label, kind in LISTS.items():
+        items = raw.get(label, [])
+        if not isinstance(items, list):
+            errors.append(ConfigError(label, None, f"must be an array of tables: write [[{label}]]"))
+            items = []
+        lists[label] = [
+            checked(lambda label=label, kind=kind, i=i, body=body: _component(f"{label}.{i}", body, kind, plugins))
+            for i, body in enumerate(items)
+        ]
+    if errors:
+        found = ConfigError.combine(errors)
+        for error in found.errors:
+            error.file = error.file or path
+        raise found
+    if "log" not in raw and DEFAULT_LOGGER in plugins["loggers"]:
+        lists["log"] = [_component("log.0", {"kind": DEFAULT_LOGGER}, "loggers", plugins)]
+    return Recipe(path, run, parts, optim, lists["eval"], lists["log"])
 
 
 def parse(path: str | Path) -> dict[str, Any]:
@@ -556,13 +655,23 @@ def load_recipe(
     raw = read(path)
     if evals is not None:
         raw["eval"] = [dict(table) for table in evals]
+    return validate_with(raw, str(path), overrides, plugins)
+
+
+def validate_with(
+    raw: dict[str, Any], path: str, overrides: Sequence[str] = (), plugins: Loaded | None = None
+) -> Recipe:
+    """``validate`` ``raw`` (read from ``path``) with ``-o`` values applied (``apply_overrides``):
+    an error an override caused names it (``blame``), as do the errors the recipe meets later
+    (``Recipe.blame``)."""
+    overrides = list(overrides)
+    apply_overrides(raw, overrides)
     try:
-        for override in overrides:
-            apply_override(raw, override)
+        recipe = validate(raw, path, plugins)
     except ConfigError as exc:
-        exc.file = str(path)
+        blame(exc, overrides, path)
         raise
-    return validate(raw, str(path), plugins)
+    return attrs.evolve(recipe, overrides=tuple(overrides))
 
 
 # Keys that may differ between a run's recipe and a resumed (or evaluated) one: how long to train
@@ -626,12 +735,13 @@ def check_unchanged(before: Recipe, after: Recipe, when: str, also: tuple[str, .
         if not _resumable(path) and not any(path == key or path.startswith(key + ".") for key in also):
             section, key = _split(path)
             allowed = ", ".join((*RESUMABLE, *also))
-            raise ConfigError(
+            error = ConfigError(
                 section,
                 key,
                 f"cannot change {when} (the run has {old!r}, the override gives {new!r}); what may change: {allowed}",
-                file=after.path,
             )
+            after.blame(error)
+            raise error
 
 
 def with_run(recipe: Recipe, **changes: Any) -> Recipe:

@@ -26,7 +26,7 @@ from eblvm_core.context import RunContext, cudnn_autotuned, pick_device, quiet, 
 from eblvm_core.contracts import Logger
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
 from eblvm_core.launch import resume_command
-from eblvm_core.recipe import Recipe, apply_override, check_unchanged, load_recipe, validate, with_run
+from eblvm_core.recipe import Recipe, check_unchanged, load_recipe, validate_with, with_run
 from eblvm_core.rundir import (
     RECIPE,
     Provenance,
@@ -61,13 +61,7 @@ def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: l
         raw, path = copy.deepcopy(dict(recipe)), DICT_RECIPE
     else:
         raise TypeError(f"a recipe is a path, a dict or a Recipe, not {type(recipe).__name__}")
-    try:
-        for override in overrides:
-            apply_override(raw, override)
-    except ConfigError as exc:
-        exc.file = path
-        raise
-    return validate(raw, path)
+    return validate_with(raw, path, overrides)
 
 
 def run(
@@ -112,7 +106,7 @@ def run(
     try:
         torch_device = pick_device(recipe.run.device)
     except ConfigError as exc:
-        exc.file = exc.file or recipe.path
+        recipe.blame(exc)
         raise
     with stop_on_signals() as signals, distributed.process_group(torch_device) as torch_device:
         run_dir, results = _train(recipe, torch_device, out, resume, echo, signals, command)
@@ -258,7 +252,9 @@ def _checked_resume(
     if step is None:
         return None, None
     if step > recipe.run.steps:
-        raise ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}", file=recipe.path)
+        error = ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}")
+        recipe.blame(error)
+        raise error
     if step == recipe.run.steps and finished:
         return None, (
             f"{run_dir} finished at step {step}: nothing to do "

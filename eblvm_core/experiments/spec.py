@@ -51,7 +51,7 @@ import attrs
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
 from eblvm_core.plugins import load
-from eblvm_core.recipe import Recipe, _component, apply_override, read, set_value, validate
+from eblvm_core.recipe import Recipe, _component, apply_override, apply_overrides, blame, read, set_value, validate
 
 
 def is_spec(raw: dict[str, Any]) -> bool:
@@ -289,17 +289,25 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
         merged = read(recipe_path)
         merged["eval"] = [*(merged.get("eval", []) if compare.eval_mode == "append" else []), *evals]
         try:
-            for override in [*compare.overrides, *row.overrides]:
-                apply_override(merged, override)
-            for key, value in row.point.items():
-                set_value(merged, key, value, f"[sweep] key '{key}'")
-            for override in extra_overrides:
-                apply_override(merged, override)
-            validate(merged, str(recipe_path))
+            try:
+                for override in [*compare.overrides, *row.overrides]:
+                    apply_override(merged, override)
+                for key, value in row.point.items():
+                    set_value(merged, key, value, f"[sweep] key '{key}'")
+            except ConfigError as exc:
+                for error in exc.errors:
+                    error.file = str(recipe_path)
+                raise
+            apply_overrides(merged, extra_overrides)  # -o: its errors name it
+            try:
+                validate(merged, str(recipe_path))
+            except ConfigError as exc:
+                blame(exc, extra_overrides, str(recipe_path))
+                raise
         except ConfigError as exc:
-            exc.file = str(recipe_path)
-            if row.point:
-                exc.message = f"{exc.message} (grid point '{row.name}' of {path})"
+            for error in exc.errors:
+                if row.point:
+                    error.message = f"{error.message} (grid point '{row.name}' of {path})"
             raise
         recipes[row.name], recipe_paths[row.name] = merged, recipe_path
     return Spec(path, compare, table, recipes, recipe_paths, final_evals)

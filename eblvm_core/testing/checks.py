@@ -520,6 +520,8 @@ def check_logger(logger: Any, run_dir: Path) -> None:
     before = set(Path(run_dir).parent.iterdir())
     logger.log_scalars(1, {"train/loss": 0.5})
     logger.log_images(1, {"eval/x/image": torch.rand(3, 4, 4)})
+    if hasattr(logger, "log_evaluation"):
+        logger.log_evaluation(1, {"eval/x/y": 0.25}, "last")
     if hasattr(logger, "log_hparams"):
         logger.log_hparams({"model.n_hidden": 4, "optim.model.lr": 1e-3, "model.kind": "grbm"}, {"eval/x/y": 0.5})
     logger.close()

@@ -183,7 +183,7 @@ def test_list_overrides_on_a_recipe_without_the_list(write_recipe):
     "override, section, fragments",
     [
         ("eval.3.kind=x", "eval.3", ["no item 3 (there are 1; eval.1.<key>=<value> adds one)"]),
-        ("~eval.1", "eval", ["override '~eval.1': no item 1 to drop (there are 1)"]),
+        ("~eval.1", "eval", ["no item 1 to drop (there are 1)"]),
         ("~model.n_hiden", "model", ["n_hiden", "nothing to drop", "did you mean 'n_hidden'"]),
         ("~modle", "modle", ["nothing to drop", "did you mean 'model'"]),
         ("~eval.0=1", None, ["a drop looks like ~section.key or ~eval.N, without a value"]),
@@ -198,7 +198,7 @@ def test_list_override_errors_are_one_line(cli, write_recipe, tmp_path, override
     path = write_recipe()
     for command in (["validate", path], ["run", path, "--out", tmp_path / "runs"]):
         line = one_line_error(cli([*command, "-o", override]))
-        assert line.startswith(f"error: {path}: " + (f"[{section}]" if section else "override")), line
+        assert line.startswith(f"error: -o {override}: " + (f"[{section}]" if section else "")), line
         for fragment in fragments:
             assert fragment in line, line
     assert not (tmp_path / "runs").exists()

@@ -86,7 +86,7 @@ RECIPES = [
     ("select_mode", run_key("select_mode", '"best"'), [], "run", "select_mode"),
     ("select_metric unknown", run_key("select_metric", '"eval/exact-loglik/val_loglik"'), [], "run", "select_metric"),
     ("run unknown key", run_key("stepz", "3"), [], "run", "stepz"),
-    ("run not a table", "run = 5\n" + SMALL_RECIPE.replace("[run]", "[other]"), [], "other", None),
+    ("run not a table", "run = 5\n" + SMALL_RECIPE[SMALL_RECIPE.index("[data]") :], [], "run", None),
     # [data]
     ("data kind", edit(SMALL_RECIPE, '"checkerboard"', '"checkerbored"'), [], "data", "kind"),
     ("data kind type", edit(SMALL_RECIPE, '"checkerboard"', "3"), [], "data", "kind"),
@@ -319,9 +319,10 @@ def overrides(values: list[str]) -> list[str]:
 @pytest.mark.parametrize("name, text, values, section, key", RECIPES, ids=[c[0] for c in RECIPES])
 def test_validate_and_run_refuse_with_one_line(cli, write_recipe, tmp_path, name, text, values, section, key):
     path = write_recipe(text)
+    source = f"-o {values[-1]}" if values else path  # an error an -o value caused names it
     for command in (["validate", path], ["run", path, "--out", tmp_path / "runs"]):
         line = one_line_error(cli(command + overrides(values)))
-        assert_names(line, path, section, key)
+        assert_names(line, source, section, key)
     assert not (tmp_path / "runs").exists(), "a refused run writes nothing"
     assert not (tmp_path / "escaped").exists(), "a run name must not lead out of --out"
 

@@ -77,6 +77,14 @@ def same(a: dict[str, float], b: dict[str, float]) -> bool:
     return a.keys() == b.keys() and all(repr(a[k]) == repr(b[k]) for k in a)
 
 
+def by_step(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Rows of one step merged into one, as the CSV table keeps them (training and evaluation)."""
+    merged: dict[float, dict[str, float]] = {}
+    for row in rows:
+        merged.setdefault(row["step"], {}).update(row)
+    return list(merged.values())
+
+
 def first_appearance(rows: list[dict[str, float]]) -> list[str]:
     keys: list[str] = []
     for row in rows:
@@ -95,11 +103,10 @@ def copy_checkpoint_back(run_dir: Path, saved: Path) -> None:
 def test_csv_holds_the_rows_of_metrics_jsonl(cli, write_recipe, tmp_path):
     run_dir = train(cli, write_recipe, tmp_path, SMALL_RECIPE + LOG["csv"])
     header, rows = csv_rows(run_dir / "metrics.csv")
-    expected = jsonl_rows(run_dir)
-    assert len(rows) == len(expected) == 4  # training at 10, 20, 30 and the final evaluation
+    expected = by_step(jsonl_rows(run_dir))
+    assert len(rows) == len(expected) == 3  # training at 10, 20 and 30, which holds the final evaluation
     assert all(same(a, b) for a, b in zip(rows, expected)), (rows, expected)
-    assert header == first_appearance(expected)
-    assert header[0] == "step"
+    assert header == ["step", "checkpoint", *first_appearance(expected)[1:]]
 
 
 def test_csv_widens_its_header_and_writes_non_finite_values_readably(tmp_path):
@@ -111,7 +118,7 @@ def test_csv_widens_its_header_and_writes_non_finite_values_readably(tmp_path):
     logger.log_images(4, {"x": torch.rand(3, 2, 2)})
     logger.close()
     text = (tmp_path / "metrics.csv").read_text()
-    assert text == "step,a,n,b\n1,0.1,3,\n2,nan,,\n3,-inf,,inf\n4,0.3333333333333333,,\n"
+    assert text == "step,checkpoint,a,n,b\n1,,0.1,3,\n2,,nan,,\n3,,-inf,,inf\n4,,0.3333333333333333,,\n"
     _, rows = csv_rows(tmp_path / "metrics.csv")
     assert rows[3]["a"] == 1 / 3  # repr: read back exactly
 
@@ -124,7 +131,7 @@ def test_pandas_reads_the_csv_with_its_empty_and_non_finite_cells(tmp_path):
     logger.log_scalars(3, {"b": float("inf"), "a": -float("inf")})
     logger.log_scalars(4, {"a": 1 / 3})
     frame = pandas.read_csv(tmp_path / "metrics.csv")
-    assert list(frame.columns) == ["step", "a", "n", "b"] and frame["step"].tolist() == [1, 2, 3, 4]
+    assert list(frame.columns) == ["step", "checkpoint", "a", "n", "b"] and frame["step"].tolist() == [1, 2, 3, 4]
     assert math.isnan(frame["a"][1]) and frame["a"][2] == -math.inf and frame["b"][2] == math.inf
     assert math.isnan(frame["b"][0])  # an empty cell
 
@@ -134,10 +141,10 @@ def test_csv_resume_drops_the_rows_after_the_checkpoint_and_a_cut_last_line(tmp_
     path.write_text("step,a,eval/x,late\n5,1.0,,\n10,2.0,,\n10,,0.5,\n15,3.0,,7.0\n2")  # killed writing step 20
     logger = testing.make("loggers", "csv", tmp_path)
     logger.resume(10, final_pending=False)
-    assert path.read_text() == "step,a,eval/x\n5,1.0,\n10,2.0,\n10,,0.5\n"
+    assert path.read_text() == "step,checkpoint,a,eval/x\n5,,1.0,\n10,,2.0,0.5\n"  # step 10's rows in one
     logger.log_scalars(15, {"a": 3.5})
     logger.resume(10, final_pending=True)  # the final evaluation at 10 runs again
-    assert path.read_text() == "step,a\n5,1.0\n10,2.0\n"
+    assert path.read_text() == "step,checkpoint,a\n5,,1.0\n10,,2.0\n"
 
 
 def test_csv_resumed_twice_equals_metrics_jsonl_with_each_step_once(cli, write_recipe, tmp_path):
@@ -152,9 +159,9 @@ def test_csv_resumed_twice_equals_metrics_jsonl_with_each_step_once(cli, write_r
     header, rows = csv_rows(run_dir / "metrics.csv")
     assert [r["step"] for r in rows if "train/loss" in r] == [5, 10, 15, 20, 25, 30]
     assert [r["step"] for r in rows if "eval/exact-loglik/test_loglik" in r] == [20, 30]
-    expected = jsonl_rows(run_dir)
+    expected = by_step(jsonl_rows(run_dir))
     assert len(rows) == len(expected) and all(same(a, b) for a, b in zip(rows, expected))
-    assert header == first_appearance(expected)
+    assert header == ["step", "checkpoint", *first_appearance(expected)[1:]]
 
 
 def test_csv_after_a_session_killed_in_its_final_evaluation_has_it_once(cli, write_recipe, tmp_path):
@@ -167,8 +174,8 @@ def test_csv_after_a_session_killed_in_its_final_evaluation_has_it_once(cli, wri
     resume(cli, run_dir)
     _, rows = csv_rows(run_dir / "metrics.csv")
     assert [r["step"] for r in rows if "eval/exact-loglik/test_loglik" in r] == [30]
-    expected = jsonl_rows(run_dir)
-    assert len(rows) == len(expected) == 4 and all(same(a, b) for a, b in zip(rows, expected))
+    expected = by_step(jsonl_rows(run_dir))
+    assert len(rows) == len(expected) == 3 and all(same(a, b) for a, b in zip(rows, expected))
 
 
 def test_csv_refuses_a_file_outside_the_run_directory(cli, write_recipe):
