@@ -4,6 +4,8 @@ diverged, 130 when interrupted, 1 when the file system refused a write."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class EblvmError(Exception):
     """Base of errors shown to the user without a traceback."""
@@ -106,3 +108,54 @@ class FileSystemError(EblvmError):
     """The run directory could not be written (read-only, full, missing permissions)."""
 
     exit_code = 1
+
+
+# ---- which -o value an error comes from ----------------------------------------------------------
+
+
+def override_path(override: str) -> str | None:
+    """The dotted recipe path an ``-o`` value sets (``optim.model.lr``) or drops (``~eval.1`` ->
+    ``eval.1``); None for text that is neither."""
+    text = override.strip()
+    if text.startswith("~"):
+        return text[1:].strip() or None
+    path, sep, _value = text.partition("=")
+    return path.strip() or None if sep else None
+
+
+def caused_by(error: ConfigError, overrides: Sequence[str]) -> str | None:
+    """The last of ``overrides`` that set or dropped the section and key ``error`` names (or, for
+    an error about a whole section or list item, something inside it), else None."""
+    where = ".".join(filter(None, [error.section, error.key]))
+    if not where:
+        return None
+    for override in reversed(overrides):
+        path = override_path(override)
+        if path is None:
+            continue
+        drop = override.strip().startswith("~")
+        if where == path or (not drop and where.startswith(path + ".")):
+            return override
+        if error.key is None and not drop and path.startswith(where + "."):
+            return override
+    return None
+
+
+def blame(exc: ConfigError, overrides: Sequence[str], file: str | None = None) -> None:
+    """Name the ``-o`` value as the file of each error of ``exc`` it caused (``caused_by``)
+    where the error names ``file`` or no file yet: ``-o run.stepz=3: [run] stepz: unknown key``."""
+    for error in exc.errors:
+        if error.file in (None, file):
+            source = caused_by(error, overrides)
+            if source is not None:
+                error.file = f"-o {source}"
+
+
+def from_override(exc: ConfigError, override: str) -> ConfigError:
+    """An error ``apply_override`` raised, as an error of the ``-o`` value: named ``-o VALUE``, its
+    message without the "override 'VALUE'" it began with."""
+    for error in exc.errors:
+        error.file = f"-o {override}"
+        for prefix in (f"override '{override}': ", f"override '{override}' "):
+            error.message = error.message.removeprefix(prefix)
+    return exc
