@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,8 @@ def fake_distribution(site: Path, plugin: str, module: str, source: str) -> None
     (site / f"{module}.py").write_text(textwrap.dedent(source))
 
 
-def eblvm(args: list[str], site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+def eblvm_process(args: list[str], site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``python -m eblvm_core.cli ARGS`` in a fresh interpreter, with ``site`` on its path."""
     environ = {k: v for k, v in os.environ.items() if k != "EBLVM_LOAD_PLUGINS"}
     environ.update(env)
     if site is not None:
@@ -39,8 +41,48 @@ def eblvm(args: list[str], site: Path | None = None, **env: str) -> subprocess.C
     return subprocess.run([sys.executable, "-m", "eblvm_core.cli", *args], capture_output=True, text=True, env=environ)
 
 
+@attrs.frozen
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def eblvm(monkeypatch, capsys):
+    """``eblvm(args, site=None, **env) -> Ran``: the command line's ``main`` in this process, with
+    ``site`` (a folder of installed distributions) on the path and ``env`` set, plugins loaded
+    afresh; the plugin set, the app's commands and the SIGINT handler are put back afterwards.
+    What a fresh interpreter adds is checked once, by the real-process test below."""
+    from eblvm_core import cli, plugins
+
+    handler = signal.getsignal(signal.SIGINT)
+
+    def run(args: list[str], site: Path | None = None, **env: str) -> Ran:
+        monkeypatch.delenv("EBLVM_LOAD_PLUGINS", raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        if site is not None:
+            monkeypatch.syspath_prepend(str(site))
+        monkeypatch.setattr(plugins, "_loaded", None)
+        monkeypatch.setattr(cli.app, "registered_commands", list(cli.app.registered_commands))
+        monkeypatch.setattr(sys, "argv", ["eblvm", *args])
+        capsys.readouterr()
+        try:
+            cli.main()
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        out = capsys.readouterr()
+        return Ran(code, out.out, out.err)
+
+    return run
+
+
 @pytest.mark.slow
-def test_broken_plugin_is_reported_and_the_rest_work(tmp_path):
+def test_broken_plugin_is_reported_and_the_rest_work(eblvm, tmp_path):
     fake_distribution(tmp_path, "broken", "eblvm_broken_plugin", "raise ImportError('missing dependency frobnicate')")
     proc = eblvm(["plugins"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -59,8 +101,7 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
         "eblvm_halfkl",
         """
         import attrs
-        from eblvm_core.config import option, positive
-        from eblvm_core.hookspecs import hookimpl
+        from eblvm_core.plugin_api import hookimpl, option, positive
 
         @attrs.frozen
         class HalfConfig:
@@ -75,14 +116,13 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
             register("half", half, HalfConfig)
     """,
     )
-    proc = eblvm(["plugins"], tmp_path)
+    proc = eblvm_process(["plugins"], tmp_path)
     assert "halfkl  (eblvm_halfkl)" in proc.stdout
     assert "divergence half: A divergence for tests." in proc.stdout
     assert "scale: float = 0.5  multiplier" in proc.stdout
 
 
-@pytest.mark.slow
-def test_load_plugins_pins_the_set(tmp_path):
+def test_load_plugins_pins_the_set(eblvm, tmp_path):
     proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,grbm")
     names = [line.split()[0] for line in proc.stdout.splitlines() if line and not line.startswith(" ")]
     assert names == ["core", "experiments", "grbm", "toy"]  # the core's own two, always
@@ -90,14 +130,13 @@ def test_load_plugins_pins_the_set(tmp_path):
     assert "plugin 'nosuch' failed" in proc.stderr and "not installed" in proc.stderr
 
 
-@pytest.mark.slow
-def test_misspelt_hook_is_caught(tmp_path):
+def test_misspelt_hook_is_caught(eblvm, tmp_path):
     fake_distribution(
         tmp_path,
         "typo",
         "eblvm_typo",
         """
-        from eblvm_core.hookspecs import hookimpl
+        from eblvm_core.plugin_api import hookimpl
 
         @hookimpl
         def register_model(register):
@@ -133,8 +172,7 @@ def test_registry_did_you_mean_and_duplicates():
         reg.add("bad", lambda c, p: None, dict)
 
 
-@pytest.mark.slow
-def test_a_third_party_plugin_cannot_take_over_a_bundled_name(tmp_path):
+def test_a_third_party_plugin_cannot_take_over_a_bundled_name(eblvm, tmp_path):
     """Bundled plugins register first; a plugin sorted before them ('aaa') that registers 'grbm'
     fails, naming both plugins, and what it registered before failing is withdrawn."""
     fake_distribution(
@@ -142,7 +180,7 @@ def test_a_third_party_plugin_cannot_take_over_a_bundled_name(tmp_path):
         "aaa",
         "eblvm_aaa",
         """
-        from eblvm_core.hookspecs import hookimpl
+        from eblvm_core.plugin_api import hookimpl
 
         def mine(cfg, parts):
             '''Not the GRBM.'''
@@ -162,21 +200,19 @@ def test_a_third_party_plugin_cannot_take_over_a_bundled_name(tmp_path):
     assert "model grbm: Gaussian RBM" in proc.stdout
 
 
-@pytest.mark.slow
-def test_a_plugin_that_exits_at_import_is_reported_like_any_failing_plugin(tmp_path):
+def test_a_plugin_that_exits_at_import_is_reported_like_any_failing_plugin(eblvm, tmp_path):
     fake_distribution(tmp_path, "quitter", "eblvm_quitter", "import sys\nsys.exit(3)")
     proc = eblvm(["plugins"], tmp_path)
     assert proc.returncode == 0 and "plugin 'quitter' failed" in proc.stderr and "SystemExit" in proc.stderr
 
 
-@pytest.mark.slow
-def test_a_plugin_command_cannot_replace_a_built_in_one(tmp_path):
+def test_a_plugin_command_cannot_replace_a_built_in_one(eblvm, tmp_path):
     fake_distribution(
         tmp_path,
         "hijack",
         "eblvm_hijack",
         """
-        from eblvm_core.hookspecs import hookimpl
+        from eblvm_core.plugin_api import hookimpl
 
         def run():
             '''Not eblvm's run.'''
@@ -199,12 +235,11 @@ def test_a_plugin_command_cannot_replace_a_built_in_one(tmp_path):
     assert "hijacked" not in proc.stdout and "Train a model as a recipe says" in proc.stdout
 
 
-@pytest.mark.slow
-def test_two_plugins_cannot_share_a_command_name(tmp_path):
+def test_two_plugins_cannot_share_a_command_name(eblvm, tmp_path):
     """The first plugin (in load order) keeps the name; the second is told, naming both."""
     for plugin in ("first", "second"):
         source = (
-            "from eblvm_core.hookspecs import hookimpl\n\n"
+            "from eblvm_core.plugin_api import hookimpl\n\n"
             "def hello():\n"
             "    '''A plugin command.'''\n"
             f"    print('hello from {plugin}')\n\n"
@@ -250,8 +285,7 @@ def test_every_description_is_whole_sentences(kind, name):
     assert re.search(r"[.!?][)\]\"'’”]*$", doc), f"{kind[:-1]} '{name}': description ends mid-sentence: {doc!r}"
 
 
-@pytest.mark.slow
-def test_a_docstring_gives_the_description_and_the_reported_keys(tmp_path):
+def test_a_docstring_gives_the_description_and_the_reported_keys(eblvm, tmp_path):
     """A third-party evaluator's first paragraph, wrapped over two lines, is its description in
     full; its ``Reports:`` keys are listed with ``{split}`` at the option's default; an evaluator
     that declares nothing gets no reports line."""
@@ -262,7 +296,7 @@ def test_a_docstring_gives_the_description_and_the_reported_keys(tmp_path):
         """
         import attrs
         from eblvm_core.config import option
-        from eblvm_core.hookspecs import hookimpl
+        from eblvm_core.plugin_api import hookimpl
 
         @attrs.frozen
         class ProbeConfig:
