@@ -31,7 +31,14 @@ def compare(
 ) -> None:
     """Run a set of recipes over seeds (and over a [sweep] grid of recipe values); write a Markdown
     table, a figure and results.json. Running it again resumes: finished runs are not rerun,
-    killed ones continue."""
+    killed ones continue.
+
+    A spec's keys, each with its default in docs/compare.md: [compare] name, seeds, seed_offset,
+    metrics, curve, curve_range, image (default: the recipes' first density-plot or sample-grid
+    evaluator), n_samples, checkpoint, eval_mode, overrides, table_steps; [[method]] name,
+    recipe, overrides, sweep; [[eval]] and [[final_eval]] evaluators; [sweep] a grid of recipe
+    keys. Every path in a spec is relative to the spec file.
+    """
     check_device(device)
 
     def go() -> None:

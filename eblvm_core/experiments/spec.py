@@ -9,14 +9,15 @@ A spec::
     seeds = 3
     metrics = ["eval/exact-loglik/test_loglik"]    # table columns
     curve = "eval/exact-loglik/test_loglik"        # learning-curve metric ("" for none)
-    image = "density-plot"                         # evaluator whose first image is shown, "samples", or ""
+    image = "density-plot"                         # evaluator whose first image is shown, "samples", or "";
+                                                   # absent: the recipes' first density-plot or sample-grid
     checkpoint = "last"                            # or "best" (the recipes' [run] select_metric)
     table_steps = [10000, 100000]                  # also tabulate the curve metric at these steps
     overrides = ["run.eval_every=1000"]            # applied to every method
 
     [[method]]
     name = "DSM"
-    recipe = "../grbm_dsm.toml"                    # relative to the spec file, else to the working directory
+    recipe = "../grbm_dsm.toml"                    # relative to the spec file (an absolute path as it is)
     overrides = []
 
     [[eval]]          # optional: added to (or, with eval_mode = "replace", instead of) each recipe's [[eval]]
@@ -36,12 +37,16 @@ over the seeds; a point's values apply after the spec's and the method's overrid
 ``eblvm compare -o``). A method's own ``sweep = {...}`` replaces the spec's grid for it (``sweep =
 {}``: no grid, one row named as the method). Method recipes may ``include`` others
 (``recipe.read``).
+
+Every path in a spec (a method's ``recipe``, an ``include``) is relative to the spec file, so a
+spec works from any folder; docs/compare.md is the reference of every key with its default.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -75,9 +80,10 @@ class CompareConfig:
         "[low, high] the curve plot's value axis may be narrowed to (values beyond are drawn as triangles on its "
         "edge); the later half of every curve stays in view; None fits all",
     )
-    image: str = option(
-        "",
-        "evaluator whose first image shows each method (first seed, tabulated checkpoint), 'samples' for model samples, '' for none",
+    image: str | None = option(
+        None,
+        "evaluator whose first image shows each method (first seed, tabulated checkpoint), 'samples' for model "
+        "samples, '' for none; absent: the first density-plot or sample-grid evaluator of the methods' recipes",
     )
     n_samples: int = option(1000, "samples drawn when image = 'samples'", positive)
     checkpoint: Literal["last", "best"] = option(
@@ -97,7 +103,7 @@ class MethodConfig:
     """One [[method]] of a spec: a recipe plus overrides."""
 
     name: str = option(help="label in the table and figure")
-    recipe: str = option(help="recipe file, relative to the spec file or else to the working directory")
+    recipe: str = option(help="recipe file, relative to the spec file (an absolute path as it is)")
     overrides: list[str] = option([], "section.key=value overrides of this method")
     sweep: dict[str, Any] | None = option(
         None, "this method's own grid, written as [sweep], instead of the spec's; {} for no grid"
@@ -159,6 +165,20 @@ def _tables(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
 
 
 SECTIONS = ("compare", "method", "eval", "final_eval", "sweep")
+IMAGE_EVALUATORS = ("density-plot", "sample-grid")  # what [compare] image defaults to, the first a recipe runs
+
+
+def default_image(recipes: list[dict[str, Any]]) -> str:
+    """The evaluator a comparison shows each method by when [compare] image is absent: the first
+    density-plot or sample-grid evaluator of the rows' recipes (their [[eval]] as merged with the
+    spec's), in row order; "" (no images) when none has one."""
+    for recipe in recipes:
+        for table in recipe.get("eval", []):
+            if isinstance(table, dict) and table.get("kind") in IMAGE_EVALUATORS:
+                return table["kind"]
+    return ""
+
+
 NOT_SWEPT = {"run.seed": "seeds come from [compare] seeds and seed_offset", "run.name": "each row names its runs"}
 SWEEP_EXAMPLE = '"optim.model.lr" = [1e-3, 3e-3] or "estimator.inner_steps" = { values = [5, 10], label = "K" }'
 
@@ -310,6 +330,8 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
                     error.message = f"{error.message} (grid point '{row.name}' of {path})"
             raise
         recipes[row.name], recipe_paths[row.name] = merged, recipe_path
+    if compare.image is None:
+        compare = attrs.evolve(compare, image=default_image(list(recipes.values())))
     return Spec(path, compare, table, recipes, recipe_paths, final_evals)
 
 
@@ -336,20 +358,24 @@ def select(spec: Spec, only: list[str]) -> set[str] | None:
 
 
 def resolve_recipe(spec_path: Path, recipe: str, section: str) -> Path:
-    """A method's recipe file: relative to the spec file, else to the working directory (a spec
-    copied elsewhere still finds recipes named from the project's root); absolute paths as they
-    are. A ConfigError naming every place looked at when none holds it."""
-    places = [Path(recipe)] if Path(recipe).is_absolute() else [spec_path.parent / recipe, Path.cwd() / recipe]
-    for place in places:
-        if place.is_file():
-            return place.resolve()
-    where = " nor ".join(str(p) for p in dict.fromkeys(places))
-    raise ConfigError(
-        section,
-        "recipe",
-        f"no recipe file {recipe!r}: neither {where}" if len(places) > 1 else f"no recipe file {where}",
-        file=str(spec_path),
-    )
+    """A method's recipe file, relative to the spec file (an absolute path as it is): one rule, so
+    a spec works from any folder. When it is not there, a ConfigError naming the spec, the
+    [method.N] and the place looked at, with a hint when the path would name a file from the
+    working directory (a spec written for the project's root)."""
+    place = Path(recipe) if Path(recipe).is_absolute() else spec_path.parent / recipe
+    if place.is_file():
+        return place.resolve()
+    what = "is a directory, not a recipe file" if place.is_dir() else "no such file"
+    message = f"no recipe file {recipe!r}: {place} {what}; a recipe is named relative to the spec file"
+    try:
+        here = Path.cwd() / recipe
+    except OSError:  # the working directory is gone
+        here = place
+    if here != place and here.is_file():
+        relative = os.path.relpath(here, spec_path.parent)
+        named = relative if relative.count("..") <= 3 else str(here.resolve())
+        message += f" ({here} exists relative to the working directory: write recipe = {named!r})"
+    raise ConfigError(section, "recipe", message, file=str(spec_path))
 
 
 def spec_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Recipe]:

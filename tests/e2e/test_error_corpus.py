@@ -1,6 +1,6 @@
 """A corpus of malformed recipes, overrides and files: each is refused by `validate` and by `run`
-with one line `error: <file>: [section] key: message`, exit code 2, no traceback, nothing written;
-and recipes at the edges of what is valid still pass."""
+with one line `error: <file>: [section] key: message` (`error: -o <value>: ...` for an override),
+exit code 2, no traceback, nothing written; and recipes at the edges of what is valid still pass."""
 
 from __future__ import annotations
 
