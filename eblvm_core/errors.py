@@ -120,7 +120,7 @@ def override_path(override: str) -> str | None:
     if text.startswith("~"):
         return text[1:].strip() or None
     path, sep, _value = text.partition("=")
-    return path.strip() or None if sep else None
+    return (path.strip() or None) if sep else None
 
 
 def caused_by(error: ConfigError, overrides: Sequence[str]) -> str | None:
