@@ -9,7 +9,7 @@ import pytest
 import torch
 from eblvm_renyi import Renyi, log_weights, renyi_bound
 
-from eblvm_core.errors import ConfigError
+from eblvm_core.plugin_api import ConfigError
 from eblvm_core.plugins import load
 from eblvm_core.testing import check_divergence, linear_gaussian_setup, make, tiny_grbm_setup
 
@@ -128,7 +128,7 @@ def test_lower_level_steps_on_renyi_bring_q_to_the_exact_posterior():
     """What BiSM's real lower-level steps do with this divergence: from a perturbed q on the tiny
     GRBM, Adam on the batch mean of −L̂_α shrinks the exact KL(q ‖ p(h|v)) (factorised Bernoulli,
     closed form) severalfold; a gradient of the wrong sign would grow it."""
-    from eblvm_core.bilevel import fit_posterior
+    from eblvm_core.plugin_api import TrainingRole, fit_posterior
 
     exact = tiny_grbm_setup(n=64)
     exact.perturb(1.0, seed=0)
@@ -141,5 +141,5 @@ def test_lower_level_steps_on_renyi_bring_q_to_the_exact_posterior():
 
     before = kl()
     torch.manual_seed(0)
-    fit_posterior(Renyi(0.5, 5), model, q, torch.optim.Adam(q.parameters(), lr=0.05), v, 150)
+    fit_posterior(Renyi(0.5, 5), model, q, TrainingRole("posterior", torch.optim.Adam(q.parameters(), lr=0.05)), v, 150)
     assert before > 0.1 and kl() < before / 4, (before, kl())
