@@ -163,9 +163,9 @@ def load_run(
     ``evals`` ([[eval]] tables such as ``{"kind": "ais-loglik"}``) replace the recipe's evaluators
     before the overrides apply, so ``eval.0.n_chains=100`` sets an option of the first of them.
     Overrides may change what a resume may change and the [sampler]. The networks, the
-    estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the EMA of each role that
-    keeps one are restored by the trainer's own code, and the EMA weights put in place;
-    optimizers are not needed. The networks are left in eval mode. ``seed`` seeds every RNG
+    estimator's state (e.g. NCE's log-normaliser, PCD's chains) and the parameter average of
+    each role that keeps one are restored as training restores them (``state.RunState``), and the
+    averages put in place; the roles' optimizers are not needed. The networks are left in eval mode. ``seed`` seeds every RNG
     afterwards, so evaluations and samples are repeatable.
     """
     run_dir, note = find_run_dir(run_dir)

@@ -43,7 +43,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("objectives", "objective", "Score-matching objectives (``ScoreObjective``)."),
     Kind("divergences", "divergence", "Lower-level divergences D(q(h|v) || p(h|v)) (``Divergence``)."),
     Kind("samplers", "sampler", "Samplers of v (``Sampler``)."),
-    Kind("estimators", "estimator", "Learning algorithms (``Estimator``): roles, optimizers, ``step``.", required=True),
+    Kind("estimators", "estimator", "Learning algorithms (``Estimator``): roles, ``step``.", required=True),
     Kind("evaluators", "eval", "Evaluators: callables ``parts -> EvalResult``.", many=True),
     Kind("loggers", "log", "Metric sinks (``Logger``); factories get ``(config, run_dir)``.", many=True),
     Kind("optimizers", None, "Optimizers; factories get ``(config, params)`` and return a torch optimizer."),
