@@ -6,6 +6,7 @@ parts of the core that run training."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,7 @@ def imported_modules(path: Path) -> set[str]:
     return {name for name in names if name in CORE_MODULES}
 
 
+@functools.cache
 def core_graph() -> dict[str, set[str]]:
     """eblvm_core module -> the eblvm_core modules it imports (the top package left out)."""
     graph = {module_name(p): imported_modules(p) for p in CORE.rglob("*.py")}
