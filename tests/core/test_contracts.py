@@ -105,6 +105,7 @@ SMALL: dict[str, dict[str, dict]] = {
         "fisher-critic": {"steps": 5, "width": 16},
         "density-plot": {"grid": 20, "bins": 10},
         "sample-grid": {"n": 4, "nrow": 2, "sampler_options": {"burn_in": 2}},
+        "gradient-bias": {"unroll_steps": [0, 2], "inner_steps": [0, 2], "n_repeats": 3, "batch_size": 32},
         "sample-classes": {
             "n": 16,
             "n_train": 64,
