@@ -30,6 +30,11 @@ A spec::
     "optim.model.lr" = [1e-3, 3e-3]                               # row label: the key's last part, "lr"
     "estimator.inner_steps" = { values = [5, 10], label = "K" }   # or a label of its own
 
+    [launcher]        # optional: each job's resources with --launcher slurm (launcher.SlurmConfig)
+    partition = "gpu"
+    time = "12:00:00"
+    gpus = 1
+
 With the [sweep] above a method "BiSSM" gives the rows "BiSSM lr=0.001 K=5", "BiSSM lr=0.001
 K=10", "BiSSM lr=0.003 K=5" and "BiSSM lr=0.003 K=10" (the first key varies slowest), each run
 over the seeds; a point's values apply after the spec's and the method's overrides (before
@@ -50,6 +55,7 @@ import attrs
 
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
+from eblvm_core.experiments.launcher import SlurmConfig, slurm_config
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, _component, apply_override, read, set_value, validate
 
@@ -139,6 +145,7 @@ class Spec:
     recipes: dict[str, dict[str, Any]]
     recipe_paths: dict[str, Path]
     final_evals: list[dict[str, Any]]
+    launcher: SlurmConfig = attrs.field(factory=SlurmConfig)
 
     @property
     def sweeps(self) -> bool:
@@ -158,7 +165,7 @@ def _tables(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return items
 
 
-SECTIONS = ("compare", "method", "eval", "final_eval", "sweep")
+SECTIONS = ("compare", "method", "eval", "final_eval", "sweep", "launcher")
 NOT_SWEPT = {"run.seed": "seeds come from [compare] seeds and seed_offset", "run.name": "each row names its runs"}
 SWEEP_EXAMPLE = '"optim.model.lr" = [1e-3, 3e-3] or "estimator.inner_steps" = { values = [5, 10], label = "K" }'
 
@@ -250,9 +257,10 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
             raise ConfigError(
                 unknown[0],
                 None,
-                "unknown section; a spec has [compare], [[method]], [[eval]], [[final_eval]] and [sweep]",
+                "unknown section; a spec has [compare], [[method]], [[eval]], [[final_eval]], [sweep] and [launcher]",
             )
         compare = structure(CompareConfig, raw.get("compare", {}), "compare")
+        launcher = slurm_config(raw.get("launcher", {}))
         if compare.table_steps and not compare.curve:
             raise ConfigError("compare", "table_steps", "needs a curve metric: set curve")
         if any(step < 1 for step in compare.table_steps):
@@ -302,7 +310,7 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
                 exc.message = f"{exc.message} (grid point '{row.name}' of {path})"
             raise
         recipes[row.name], recipe_paths[row.name] = merged, recipe_path
-    return Spec(path, compare, table, recipes, recipe_paths, final_evals)
+    return Spec(path, compare, table, recipes, recipe_paths, final_evals, launcher)
 
 
 def select(spec: Spec, only: list[str]) -> set[str] | None:
