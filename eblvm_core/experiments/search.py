@@ -124,8 +124,11 @@ def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
                 file=str(spec.path),
             )
         seed = None
-        if search.seed is not None:
-            state = [search.seed, seed_for, len(probe.get_trials(deepcopy=False))]
+        if search.seed is not None:  # each worker its own stream, and each later command
+            trials = probe.get_trials(deepcopy=False)
+            state = [search.seed, seed_for, len(trials)]
+            if any(t.state == optuna.trial.TrialState.RUNNING for t in trials):
+                state.append(os.getpid())  # another worker is at work: draw otherwise than it
             seed = int(np.random.SeedSequence(state).generate_state(1)[0] % 2**31)
         sampler = getattr(optuna.samplers, SAMPLERS[search.sampler])(seed=seed, **search.sampler_options)
         pruner = getattr(optuna.pruners, PRUNERS[search.pruner])(**search.pruner_options)
@@ -281,11 +284,13 @@ def work(
             trial = next((t for t in study.get_trials(deepcopy=False) if t.number == number), None)
             if trial is not None and trial.state == optuna.trial.TrialState.FAIL:
                 _retry_callback(optuna)(study, trial)  # queued again with its values and run name
+            again = f"{_again(spec.path)} resumes it"
             if isinstance(exc, KeyboardInterrupt):
                 raise Interrupted(
-                    f"Ctrl-C: trial {number} stopped at once; it is queued again and resumes from its last checkpoint"
+                    f"Ctrl-C: trial {number} stopped at once; it is queued again: {again} from its last checkpoint"
                 ) from None
-            raise Interrupted(f"{exc}; trial {number} is queued again and resumes from this checkpoint") from None
+            stopped = str(exc).split("; resume with:")[0]  # the run's own advice names eblvm run
+            raise Interrupted(f"{stopped}; trial {number} is queued again: {again}") from None
 
 
 class SearchJob(Job):

@@ -13,7 +13,7 @@ A spec::
     direction = "maximize"                # or "minimize"
     n_trials = 40                         # the study's size: trials that completed, were pruned or diverged
     sampler = "tpe"                       # tpe, random, qmc, gp, cmaes
-    seed = 0                              # the sampler's (each worker draws its own from it)
+    seed = 0                              # the sampler's (each worker draws its own stream from it)
     pruner = "median"                     # median, percentile, successive-halving, hyperband, threshold, none
     pruner_options = { n_startup_trials = 5, n_warmup_steps = 2000 }
     overrides = ["run.steps=10000", "run.eval_every=1000"]   # every trial's recipe
@@ -83,7 +83,11 @@ class SearchConfig:
     n_trials: int = option(20, "the study's size: trials that completed, were pruned or diverged", positive)
     sampler: Literal["tpe", "random", "qmc", "gp", "cmaes"] = option("tpe", "Optuna's sampler")
     sampler_options: dict[str, Any] = option({}, "the sampler's keyword arguments, e.g. { n_startup_trials = 5 }")
-    seed: int | None = option(None, "the sampler's seed (each worker draws its own from it); None: unseeded")
+    seed: int | None = option(
+        None,
+        "the sampler's seed: each worker (and each later command) draws its own stream from it; several "
+        "commands started at once on one study need seeds of their own; None: unseeded",
+    )
     pruner: Literal["median", "percentile", "successive-halving", "hyperband", "threshold", "none"] = option(
         "median", "Optuna's pruner, fed each evaluation during training ([run] eval_every)"
     )
