@@ -26,6 +26,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -234,6 +235,18 @@ def job_record(launcher: str, handle: Any, folder: Path, tasks: int) -> dict[str
 # ---- inside the job -------------------------------------------------------------------------
 
 
+def cancelled(launcher: str, job_id: str) -> bool:
+    """Whether Slurm says the job was cancelled (``scancel`` sends SIGTERM, as a preemption does:
+    a cancelled job checkpoints but is not requeued). False when it cannot tell."""
+    if launcher != "slurm":
+        return False
+    try:
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "CANCELLED" in state.stdout.upper()
+
+
 def preempt_signal() -> int:
     """The signal submitit's jobs take as "checkpoint and requeue" (USR2, or $SUBMITIT_PREEMPT_SIGNAL)."""
     from submitit.core.job_environment import JobEnvironment
@@ -278,9 +291,10 @@ class Job:
         preempt = preempt_signal()
         try:
             return self.train((signal.SIGINT, signal.SIGTERM, preempt), record)
-        except Interrupted:
+        except Interrupted as exc:
+            print(f"interrupted: {exc}", flush=True)
             requeue = signal.getsignal(preempt)  # submitit's own handler, put back by the session
-            if not callable(requeue):
+            if not callable(requeue) or (str(exc).startswith("SIGTERM") and cancelled(self.launcher, env.job_id)):
                 raise
             requeue(preempt, None)  # rank 0: checkpoint() and requeue, then exit; other ranks return
             raise SystemExit(0) from None  # ranks > 0: no result of their own; the job starts again

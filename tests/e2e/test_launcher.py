@@ -263,6 +263,21 @@ def test_the_slurm_path_writes_the_sbatch_script_a_spec_asks_for(write_recipe, t
     assert sorted(job.job_id for job in watched.values()) == ["4242_0", "4242_1", "4242_2"]
 
 
+def test_a_cancelled_job_is_told_from_a_preempted_one_by_squeue(tmp_path, monkeypatch):
+    """scancel sends SIGTERM as a preemption does; the job asks Slurm before it asks to be requeued."""
+    from eblvm_core.experiments.launcher import cancelled
+
+    squeue = tmp_path / "squeue"
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for state, expected in (("CANCELLED", True), ("RUNNING", False), ("PREEMPTED", False)):
+        squeue.write_text(f"#!/bin/sh\necho {state}\n")
+        squeue.chmod(0o755)
+        assert cancelled("slurm", "812_3") is expected, state
+    assert cancelled("submitit-local", "812") is False  # no Slurm to ask: requeued as asked
+    squeue.unlink()
+    assert cancelled("slurm", "812_3") is False  # squeue missing: cannot tell, requeued
+
+
 # ---- one line for what is wrong -------------------------------------------------------------------
 
 BAD_LAUNCHER = [
