@@ -325,7 +325,8 @@ class Job:
 
 class RunJob(Job):
     """``eblvm run --launcher``: one run, from a recipe (TOML-ready data, resolved when it was
-    submitted) or resuming a run directory; returns {run_dir, final}."""
+    submitted) or resuming a run directory (with ``overrides`` of the keys a resume may change,
+    for its first session; a requeued job's run directory holds them); returns {run_dir, final}."""
 
     def __init__(
         self,
@@ -336,10 +337,16 @@ class RunJob(Job):
         out: str,
         command: str,
         resume: str | None = None,
+        overrides: list[str] = (),
     ) -> None:
         super().__init__(launcher, folder)
         self.recipe, self.device, self.out, self.command = recipe, device, out, command
-        self.resume = resume
+        self.resume, self.overrides = resume, list(overrides)
+
+    def resume_from(self, run_dir: str) -> None:
+        if run_dir != self.resume:
+            self.overrides = []  # the run directory's recipe.toml holds them now
+        super().resume_from(run_dir)
 
     def train(self, stop_signals: tuple[int, ...], launcher: dict[str, Any]) -> dict[str, Any]:
         from eblvm_core.session import run
@@ -347,7 +354,7 @@ class RunJob(Job):
         recipe = None if self.resume else self.recipe
         run_dir, final = run(
             recipe,
-            [],
+            self.overrides if self.resume else [],
             self.device,
             self.out,
             self.resume,
@@ -455,7 +462,7 @@ def submit_run(
     """``eblvm run --launcher slurm``: check the recipe (or the run to resume) here, submit one
     job that trains it, and say where it lives; with ``wait``, watch it to its end and print its
     final evaluation and ``done:`` as ``eblvm run`` does."""
-    from eblvm_core.recipe import load_recipe
+    from eblvm_core.recipe import check_unchanged, load_recipe
     from eblvm_core.rundir import RECIPE, find_run_dir
     from eblvm_core.session import resolve_recipe
 
@@ -463,11 +470,7 @@ def submit_run(
         run_dir, note = find_run_dir(resume, "cannot resume")
         if note:
             echo(note)
-        load_recipe(run_dir / RECIPE, overrides)
-        if overrides:
-            raise ConfigError(
-                "", None, "--launcher with --resume takes no -o: resume it here once with them, or submit the run again"
-            )
+        check_unchanged(load_recipe(run_dir / RECIPE), load_recipe(run_dir / RECIPE, overrides), "when resuming")
         data, name, resume = None, run_dir.parent.name, run_dir
     else:
         resolved = resolve_recipe(recipe, overrides)
@@ -477,7 +480,9 @@ def submit_run(
         name = resolved.run.name
     folder = default_folder(config, Path(out))
     ex = executor(launcher, config, folder, name)
-    job = RunJob(launcher, folder, data, device, str(Path(out).resolve()), command, str(resume) if resume else None)
+    job = RunJob(
+        launcher, folder, data, device, str(Path(out).resolve()), command, str(resume) if resume else None, overrides
+    )
     (handle,) = submit(ex, [job])
     where = f"resumes {resume}" if resume else f"trains {name} into a run directory under {Path(out) / name}"
     echo(f"submitted {launcher} job {handle.job_id}: {where}")

@@ -72,11 +72,17 @@ def storage_url(spec: SearchSpec, out: Path, storage: str | None) -> str:
     return storage or spec.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
 
 
+def _retry_class(optuna: Any) -> Any:
+    """Optuna's callback class that queues a failed trial again (renamed in Optuna 4.9)."""
+    return (
+        getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    )
+
+
 def _retry_callback(optuna: Any) -> Any:
-    """Optuna's callback that queues a failed trial again with its parameters and user attributes
-    (renamed in Optuna 4.9)."""
-    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-    return cls(max_retry=None)
+    """Queue a failed trial again with its values, user attributes (its run's name) and the values
+    it reported (the pruner sees the whole run once it resumes)."""
+    return _retry_class(optuna)(max_retry=None, inherit_intermediate_values=True)
 
 
 def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
@@ -119,7 +125,7 @@ def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
             raise ConfigError(
                 "search",
                 "name",
-                f"the study '{spec.name}' in {url} was made by another search (its {', '.join(differs)} differ): "
+                f"the study '{spec.name}' in {url} was made by another search (it differs in: {', '.join(differs)}): "
                 "continue it with the same spec and options, or name a new study",
                 file=str(spec.path),
             )
@@ -465,9 +471,14 @@ def report(spec: SearchSpec, study: Any, out: Path, url: str) -> str:
             return step, t.intermediate_values[step]
         return None, None
 
+    with quiet_optuna() as optuna:
+        retried_as = {n: t.number for t in trials for n in _retry_class(optuna).retry_history(t)}
+
     def state(t: Any) -> str:
         if t.state == TrialState.FAIL and "diverged" in t.user_attrs:
             return "diverged"
+        if t.state == TrialState.FAIL and t.number in retried_as:
+            return f"stopped, resumed as trial {retried_as[t.number]}"
         return t.state.name.lower()
 
     def order(t: Any) -> tuple:

@@ -229,6 +229,10 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     trials = study(out).trials
     assert [t.state.name for t in trials] == ["FAIL", "COMPLETE"]
     assert trial_runs(out) == {"trial-0000": [run_dir]}  # the same run, continued
+    # what the first trial reported is inherited, the resumed run reports the rest: every evaluation once
+    assert trials[0].intermediate_values.items() <= trials[1].intermediate_values.items()
+    assert sorted(trials[1].intermediate_values) == list(range(20, 1500, 20))
+    assert "| 0 | stopped, resumed as trial 1 |" in (out / "table.md").read_text()
     sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
     assert [(s["status"], s["from_step"]) for s in sessions] == [("interrupted", 0), ("finished", stopped_at)]
     reference, _ = run(run_dir / "recipe.toml", out=tmp_path / "reference", echo=lambda _line: None)
@@ -304,7 +308,7 @@ def test_a_study_made_by_another_search_is_refused_in_one_line(cli, tmp_path):
     open_study(load_search_spec(spec), f"sqlite:///{out / 'study.db'}")  # made, no trial yet
     spec.write_text(spec.read_text().replace("high = 3 }", "high = 5 }"))
     line = one_line_error(cli(["search", spec, "--out", out]))
-    assert "the study 'tiny'" in line and "was made by another search (its params differ)" in line, line
+    assert "the study 'tiny'" in line and "was made by another search (it differs in: params)" in line, line
 
 
 def test_search_without_the_extra_names_it(cli, tmp_path, monkeypatch):
