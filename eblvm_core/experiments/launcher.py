@@ -387,8 +387,11 @@ def _error(handle: Any) -> str | None:
         exc = error
     if exc is None:
         return None
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    rules = [i for i, line in enumerate(lines) if set(line) == {"-"}]
+    if len(rules) >= 2:  # submitit's "failed during processing with trace:" ---- traceback ---- "check the logs"
+        lines = lines[rules[0] + 1 : rules[-1]]
+    last = lines[-1] if lines else type(exc).__name__
     return f"{last} (log: {handle.paths.stderr})"
 
 

@@ -183,6 +183,26 @@ def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run
     assert_same(run_dir, full)
 
 
+@pytest.mark.slow
+def test_watching_jobs_says_which_failed_and_why(tmp_path):
+    """Each job's state as it changes, and a failed job's last error line with its log."""
+    pytest.importorskip("submitit", reason=NO_SUBMITIT)
+    import functools
+    import operator
+
+    from eblvm_core.experiments.launcher import SlurmConfig, executor, submit, watch
+
+    ex = executor("submitit-local", SlurmConfig(time=5), tmp_path / "jobs", "probe")
+    handles = submit(ex, [functools.partial(operator.add, 1, 2), functools.partial(operator.truediv, 1, 0)])
+    lines, ended = [], {}
+    watch(dict(zip("ab", handles)), str, lines.append, lambda key, *outcome: ended.update({key: outcome}), 0.2)
+    assert ended["a"] == (3, None)
+    result, error = ended["b"]
+    assert result is None and error.startswith("ZeroDivisionError: division by zero (log: ")
+    assert f"  b: failed (job {handles[1].job_id})" in lines and f"  a: finished (job {handles[0].job_id})" in lines
+    assert lines[-1] == "jobs: 0 queued, 0 running, 1 finished, 1 failed"
+
+
 # ---- the Slurm path, up to sbatch ----------------------------------------------------------------
 
 FAKE_SBATCH = """#!/bin/sh
