@@ -410,10 +410,26 @@ def watch(
     echo: Callable[[str], None],
     on_end: Callable[[Any, Any, str | None], None],
     poll: float,
+    again: str = "the same command watches them again",
 ) -> None:
     """Watch jobs until each has ended: a line whenever one changes state (queued, running,
-    finished, failed) with the count of each, and ``on_end(key, result, error)`` as each ends."""
+    finished, failed) with the count of each, and ``on_end(key, result, error)`` as each ends.
+    Ctrl-C stops the watching, not the jobs: Interrupted says which go on, and ``again``."""
     left = dict(handles)
+    try:
+        _watch(left, label, echo, on_end, poll)
+    except KeyboardInterrupt:
+        ids = ", ".join(str(handle.job_id) for handle in left.values())
+        raise Interrupted(f"Ctrl-C: stopped watching; the jobs go on ({ids}); {again}") from None
+
+
+def _watch(
+    left: dict[Any, Any],
+    label: Callable[[Any], str],
+    echo: Callable[[str], None],
+    on_end: Callable[[Any, Any, str | None], None],
+    poll: float,
+) -> None:
     seen: dict[Any, str] = {}
     refreshed = 0.0
     while left:
@@ -499,6 +515,7 @@ def submit_run(
         echo,
         lambda _key, result, error: ended.update(result=result, error=error),
         poll_seconds(launcher),
+        f"its log: {handle.paths.stdout}",
     )
     if ended["error"] is not None:
         raise EblvmError(f"job {handle.job_id} failed: {ended['error']}")
