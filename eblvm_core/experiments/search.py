@@ -72,6 +72,16 @@ def storage_url(spec: SearchSpec, out: Path, storage: str | None) -> str:
     return storage or spec.search.storage or f"sqlite:///{(out / 'study.db').resolve()}"
 
 
+def shown(url: str) -> str:
+    """A storage URL as printed and written down: its password hidden."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL SQLAlchemy reads: said as given, without credentials
+        return url.split("@")[-1] if "@" in url else url
+
+
 def _retry_class(optuna: Any) -> Any:
     """Optuna's callback class that queues a failed trial again (renamed in Optuna 4.9)."""
     return (
@@ -111,7 +121,9 @@ def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
                 **{callback: retry},
             )
         except Exception as exc:  # noqa: BLE001 - SQLAlchemy's many errors: a bad URL, a missing driver
-            raise ConfigError("search", "storage", f"{url}: {type(exc).__name__}: {exc}", file=str(spec.path)) from None
+            raise ConfigError(
+                "search", "storage", f"{shown(url)}: {type(exc).__name__}: {exc}", file=str(spec.path)
+            ) from None
         search = spec.search
         probe = optuna.create_study(
             study_name=spec.name, storage=storage, direction=search.direction, load_if_exists=True
@@ -125,7 +137,7 @@ def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
             raise ConfigError(
                 "search",
                 "name",
-                f"the study '{spec.name}' in {url} was made by another search (it differs in: {', '.join(differs)}): "
+                f"the study '{spec.name}' in {shown(url)} was made by another search (it differs in: {', '.join(differs)}): "
                 "continue it with the same spec and options, or name a new study",
                 file=str(spec.path),
             )
@@ -382,7 +394,7 @@ def search(
     url = storage_url(spec, out, storage)
     study = open_study(spec, url)
     n, have = spec.search.n_trials, settled(study)
-    where = url if storage or spec.search.storage else f"{out / 'study.db'}"
+    where = shown(url) if storage or spec.search.storage else f"{out / 'study.db'}"
     how = f"{workers} worker(s)" + ("" if cluster is None else f" as {launcher} jobs")
     echo(
         f"search {spec.path}: study '{spec.name}' in {where}, {have} of {n} trials done; "
@@ -493,7 +505,7 @@ def report(spec: SearchSpec, study: Any, out: Path, url: str) -> str:
     keys = [p.key for p in spec.params]
     header = ["trial", "state", short(metric), "step", *keys, "time (s)", "run directory"]
     lines = [
-        f"Study '{spec.name}' ({url}): {len(trials)} trials, "
+        f"Study '{spec.name}' ({shown(url)}): {len(trials)} trials, "
         + ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
         + f"; {spec.search.direction} {short(metric)}.",
         "",
@@ -536,7 +548,7 @@ def report(spec: SearchSpec, study: Any, out: Path, url: str) -> str:
     table = "\n".join(lines) + "\n"
     (out / "table.md").write_text(table)
     (out / "results.json").write_text(
-        json.dumps({"spec": str(spec.path), "study": spec.name, "storage": url, "trials": rows}, indent=2)
+        json.dumps({"spec": str(spec.path), "study": spec.name, "storage": shown(url), "trials": rows}, indent=2)
     )
     notes = _plots(study, out, len(complete))
     if notes:

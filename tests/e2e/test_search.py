@@ -311,6 +311,13 @@ def test_a_study_made_by_another_search_is_refused_in_one_line(cli, tmp_path):
     assert "the study 'tiny'" in line and "was made by another search (it differs in: params)" in line, line
 
 
+def test_a_storage_that_cannot_be_opened_is_one_line_without_its_password(cli, tmp_path):
+    pytest.importorskip("optuna", reason=NO_OPTUNA)
+    for url in ("nonsense", "postgresql+nosuchdriver://bob:secret@localhost:1/x"):
+        line = one_line_error(cli(["search", write_spec(tmp_path), "--out", tmp_path / "res", "--storage", url]))
+        assert "[search] storage: " in line and "secret" not in line, line
+
+
 def test_search_without_the_extra_names_it(cli, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "optuna", None)  # import optuna fails as when it is not installed
     line = one_line_error(cli(["search", write_spec(tmp_path), "--out", tmp_path / "res"]))
