@@ -388,7 +388,7 @@ def test_a_killed_comparison_resumes_without_rerunning_finished_runs(tmp_path, m
     """The first comparison finishes CD, gets DSM to step 10 of 20 and is killed. Run again, it
     reuses CD's recorded result without training it, continues DSM from its checkpoint to the
     same parameters and numbers as an uninterrupted run, and tabulates the curve at given steps."""
-    from eblvm_core import compare as comparison
+    from eblvm_core.experiments import compare as comparison
     from eblvm_core.session import run as train
 
     spec = write_spec(

@@ -78,7 +78,7 @@ def test_a_2x2_grid_runs_in_parallel_tabulates_four_rows_and_reruns_nothing(cli,
     ]
     assert (out / "figure.png").is_file()
 
-    from eblvm_core import compare as comparison
+    from eblvm_core.experiments import compare as comparison
 
     trained: list[str] = []
     real_run_one = comparison.run_one
@@ -92,7 +92,7 @@ def test_a_killed_sweep_resumes_and_only_takes_a_row_or_a_method(grid_spec, tmp_
     """Killed while training the third point at step 6 of 12: --only naming that row continues it
     alone (to the parameters of an uninterrupted run), --only naming the method trains what is
     left of its rows, and a plain rerun trains nothing."""
-    from eblvm_core import compare as comparison
+    from eblvm_core.experiments import compare as comparison
     from eblvm_core.session import run as train
 
     out = tmp_path / "results"
