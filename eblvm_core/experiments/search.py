@@ -82,6 +82,28 @@ def shown(url: str) -> str:
         return url.split("@")[-1] if "@" in url else url
 
 
+@contextlib.contextmanager
+def _made_alone(url: str) -> Iterator[None]:
+    """For a SQLite file, hold a lock beside it (``<file>.lock``, fcntl) while the storage's tables
+    and the study are made; a database server serialises that itself."""
+    if not url.startswith("sqlite:///"):
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield
+        return
+    path = Path(url.removeprefix("sqlite:///"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def _retry_class(optuna: Any) -> Any:
     """Optuna's callback class that queues a failed trial again (renamed in Optuna 4.9)."""
     return (
@@ -104,30 +126,35 @@ def open_study(spec: SearchSpec, url: str, seed_for: int = 0) -> Any:
 
     with quiet_optuna() as optuna:
         engine = {"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None
-        if url.startswith("sqlite:///"):
-            Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         retry = _retry_callback(optuna)
         callback = (
             "heartbeat_stale_trial_callback"
             if hasattr(optuna.storages, "RetryHeartbeatStaleTrialCallback")
             else "failed_trial_callback"
         )
-        try:
-            storage = optuna.storages.RDBStorage(
-                url,
-                engine_kwargs=engine,
-                heartbeat_interval=HEARTBEAT_SECONDS,
-                grace_period=GRACE_SECONDS,
-                **{callback: retry},
+        with _made_alone(url):  # two workers starting at once must not both create the tables
+            for attempt in range(3):
+                try:
+                    storage = optuna.storages.RDBStorage(
+                        url,
+                        engine_kwargs=engine,
+                        heartbeat_interval=HEARTBEAT_SECONDS,
+                        grace_period=GRACE_SECONDS,
+                        **{callback: retry},
+                    )
+                    break
+                except Exception as exc:  # noqa: BLE001 - SQLAlchemy's many errors: a bad URL, a missing driver
+                    if type(exc).__name__ in ("IntegrityError", "OperationalError") and attempt < 2:
+                        time.sleep(1.0)  # another worker was making the tables on a database server
+                        continue
+                    first = (str(exc).strip().splitlines() or [""])[0]
+                    raise ConfigError(
+                        "search", "storage", f"{shown(url)}: {type(exc).__name__}: {first}", file=str(spec.path)
+                    ) from None
+            search = spec.search
+            probe = optuna.create_study(
+                study_name=spec.name, storage=storage, direction=search.direction, load_if_exists=True
             )
-        except Exception as exc:  # noqa: BLE001 - SQLAlchemy's many errors: a bad URL, a missing driver
-            raise ConfigError(
-                "search", "storage", f"{shown(url)}: {type(exc).__name__}: {exc}", file=str(spec.path)
-            ) from None
-        search = spec.search
-        probe = optuna.create_study(
-            study_name=spec.name, storage=storage, direction=search.direction, load_if_exists=True
-        )
         recorded = probe.user_attrs.get("eblvm")
         wanted = spec.fingerprint()
         if recorded is None:
