@@ -29,6 +29,7 @@ import signal
 import subprocess
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,9 @@ class Job:
 
         env = submitit.JobEnvironment()
         if env.num_tasks > 1:  # the job's tasks are a run's ranks, as torchrun's would be
+            # rank 0's port, the same for every task: from the job id, below Linux's ephemeral ports
+            # (32768-60999, where other processes' connections live; submitit draws from 20000-60000)
+            os.environ.setdefault("MASTER_PORT", str(20000 + zlib.crc32(str(env.job_id).encode()) % 12000))
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         os.environ[RUN_DIR_FILE] = str(self.marker)

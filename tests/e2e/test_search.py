@@ -92,6 +92,7 @@ def eblvm(args: list, cwd: Path, **kw) -> subprocess.Popen:
 # ---- the engine's hook ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_after_evaluation_ends_a_run_cleanly_with_the_status_it_gives(write_recipe, tmp_path):
     """What a pruner does through ``session.run``: the evaluation it stops after is the run's
     last, last.pt holds that step, run.json says "pruned", and a resume goes on training."""
@@ -207,7 +208,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     pytest.importorskip("optuna", reason=NO_OPTUNA)
     from eblvm_core.session import run
 
-    spec, out = write_spec(tmp_path, n_trials=1, steps=1500, pruner="none", options="{}"), tmp_path / "res"
+    spec, out = write_spec(tmp_path, n_trials=1, steps=600, pruner="none", options="{}"), tmp_path / "res"
     first = eblvm(["search", spec, "--out", out], tmp_path)
     deadline = time.time() + 300
     while time.time() < deadline and not list(out.glob("runs/trial-0000/*/checkpoints/last.pt")):
@@ -218,7 +219,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     assert "trial 0 is queued again" in output.splitlines()[-1], output
     (run_dir,) = trial_runs(out)["trial-0000"]
     stopped_at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
-    assert stopped_at < 1500, "the trial finished before the signal; the test proves nothing"
+    assert stopped_at < 600, "the trial finished before the signal; the test proves nothing"
     trials = study(out).trials
     assert [t.state.name for t in trials] == ["FAIL", "WAITING"] and trials[1].params == trials[0].params
 
@@ -231,7 +232,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     assert trial_runs(out) == {"trial-0000": [run_dir]}  # the same run, continued
     # what the first trial reported is inherited, the resumed run reports the rest: every evaluation once
     assert trials[0].intermediate_values.items() <= trials[1].intermediate_values.items()
-    assert sorted(trials[1].intermediate_values) == list(range(20, 1500, 20))
+    assert sorted(trials[1].intermediate_values) == list(range(20, 600, 20))
     assert "| 0 | stopped, resumed as trial 1 |" in (out / "table.md").read_text()
     sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
     assert [(s["status"], s["from_step"]) for s in sessions] == [("interrupted", 0), ("finished", stopped_at)]
@@ -329,6 +330,7 @@ def test_no_trial_recipe_reaches_a_searched_key_from_the_command_line(cli, tmp_p
     assert "[params] optim.model.lr: -o optim.model.lr=0.1: the search sets this key in every trial" in line, line
 
 
+@pytest.mark.slow
 def test_the_commands_of_many_runs_import_neither_extra_until_they_use_it():
     """compare, validate and everything else work without the extras: the modules load without them."""
     code = (
