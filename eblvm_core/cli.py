@@ -13,6 +13,7 @@ import typer
 from eblvm_core import experiments
 from eblvm_core.command import check_device, fail, guarded
 from eblvm_core.errors import EblvmError
+from eblvm_core.experiments.commands import CPUS, GPUS, LAUNCHER, MEM, NODES, PARTITION, SBATCH, TIME, slurm_options
 
 app = typer.Typer(
     add_completion=False,
@@ -37,17 +38,37 @@ def run(
         None,
         "--nproc-per-node",
         min=1,
-        help="train with this many processes on this machine, started and watched by eblvm (data parallel; docs/distributed.md)",
+        help="train with this many processes on this machine, started and watched by eblvm (data parallel; "
+        "docs/distributed.md); with --launcher slurm, processes per node of the job",
+    ),
+    launcher: str = LAUNCHER,
+    partition: str | None = PARTITION,
+    time: str | None = TIME,
+    nodes: int | None = NODES,
+    gpus: int | None = GPUS,
+    cpus: int | None = CPUS,
+    mem: str | None = MEM,
+    sbatch: list[str] = SBATCH,
+    wait: bool = typer.Option(
+        False, "--wait", help="with --launcher slurm: watch the job to its end and print its final evaluation"
     ),
 ) -> None:
     """Train a model as a recipe says; print the final evaluation.
 
     Under torchrun (`torchrun --nproc-per-node G -m eblvm run RECIPE`) every process runs this
-    command; rank 0 alone writes and prints. [run] batch_size is the global batch.
+    command; rank 0 alone writes and prints. [run] batch_size is the global batch. With
+    --launcher slurm the run is one Slurm job (docs/cluster.md), requeued with its checkpoint when
+    Slurm stops it; the command says where it lives and returns (--wait: at its end).
     """
     check_device(device)
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
+    options = slurm_options(launcher, partition, time, nodes, gpus, cpus, mem, None, sbatch, nproc_per_node)
+    if launcher != "local":
+        _submit(launcher, options, recipe, override, device, out, resume, wait)
+        return
+    if wait:
+        fail("--wait is for a cluster job: add --launcher slurm")
     if nproc_per_node is not None:
         if resume is not None:  # the processes, and the launcher's own records, name the run itself
             resume = _run_dir(resume, "cannot resume")
@@ -57,6 +78,29 @@ def run(
         from eblvm_core.session import run as train
 
         train(recipe, override, device, out, resume, echo=typer.echo)  # prints the final evaluation and done:
+
+    guarded(go)
+
+
+def _submit(
+    launcher: str,
+    options: dict,
+    recipe: Path | None,
+    override: list[str],
+    device: str | None,
+    out: Path,
+    resume: Path | None,
+    wait: bool,
+) -> None:
+    """``eblvm run --launcher slurm``: the run as one cluster job (``experiments.launcher``)."""
+    import shlex
+
+    def go() -> None:
+        from eblvm_core.experiments.launcher import SlurmConfig, require_submitit, submit_run, with_options
+
+        config = with_options(SlurmConfig(), options)
+        require_submitit(launcher)
+        submit_run(launcher, config, recipe, override, device, out, resume, shlex.join(sys.argv), wait, typer.echo)
 
     guarded(go)
 
@@ -93,7 +137,7 @@ def _launch(
 
 @app.command()
 def validate(
-    recipes: list[Path] = typer.Argument(..., help="recipe files or comparison specs"),
+    recipes: list[Path] = typer.Argument(..., help="recipe files, comparison specs or search specs"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
     check_data: bool = typer.Option(
         False,
@@ -108,17 +152,24 @@ def validate(
 
     Whatever `eblvm run` would reject before its first step is rejected here, with the same
     one-line error and exit code 2. Comparison specs ([compare] and [[method]]) are checked
-    row by row. With --show, each resolved recipe is printed as `eblvm run` would write it into
+    row by row; search specs ([search] and [params]) at every end of every searched range. With --show, each resolved recipe is printed as `eblvm run` would write it into
     the run directory's recipe.toml.
     """
     from eblvm_core.build import dry_run
+    from eblvm_core.experiments.search_spec import is_search_spec, search_recipes
     from eblvm_core.experiments.spec import is_spec, spec_recipes
     from eblvm_core.recipe import load_recipe, read
 
     bad = 0
     for path in recipes:
         try:
-            resolved = spec_recipes(path, override) if is_spec(read(path)) else {str(path): load_recipe(path, override)}
+            raw = read(path)
+            if is_search_spec(raw):
+                resolved = search_recipes(path, override)
+            elif is_spec(raw):
+                resolved = spec_recipes(path, override)
+            else:
+                resolved = {str(path): load_recipe(path, override)}
             warnings: dict[str, None] = {}
             for recipe in resolved.values():
                 warnings.update(dict.fromkeys(dry_run(recipe, check_data=check_data)))

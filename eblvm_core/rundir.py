@@ -5,7 +5,8 @@ logged step or evaluation), ``run.json`` (provenance) and ``run.log`` (the conso
 ``run.json`` holds the eblvm, torch and Python versions, every plugin with the distribution and
 version that installed it, the device, the number of processes and of CPU threads, the command
 line as typed, the working directory, the git commit of eblvm's checkout (when it runs from
-one), and the start, end and status of the first session and of every resume.
+one), how a launcher started it (a cluster job's id), and the start, end and status of the
+first session and of every resume.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -320,15 +322,27 @@ class Provenance:
         ]
         return float(sum(span.total_seconds() for span in spans))
 
-    def start(self, device: str, world: int, step: int, threads: int, command: str | None = None) -> None:
+    def start(
+        self,
+        device: str,
+        world: int,
+        step: int,
+        threads: int,
+        command: str | None = None,
+        launcher: Mapping[str, Any] | None = None,
+    ) -> None:
         """Open a session: device, processes and CPU threads per process, from ``step``; ``command``
-        says what started it when it was not a command line (``eblvm.train(...)``)."""
-        self.data["sessions"].append(session(device, world, step, threads, command))
+        says what started it when it was not a command line (``eblvm.train(...)``), ``launcher``
+        how it was launched when something launched it (a cluster job: its kind and id)."""
+        entry = session(device, world, step, threads, command)
+        if launcher is not None:
+            entry["launcher"] = dict(launcher)
+        self.data["sessions"].append(entry)
         self.write()
 
     def end(self, status: str, step: int | None) -> None:
         """Record how the current session ended: finished, stopped early ([run] patience),
-        diverged, interrupted, failed, or killed (by a second Ctrl-C under ``--nproc-per-node``:
+        pruned (a search's pruner), diverged, interrupted, failed, or killed (by a second Ctrl-C under ``--nproc-per-node``:
         the step is then unknown, None)."""
         if self.data["sessions"]:
             self.data["sessions"][-1].update(ended=now(), status=status, to_step=step)

@@ -13,10 +13,11 @@ import secrets
 import shutil
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from eblvm_core import checkpoint as ckpt
@@ -40,9 +41,10 @@ from eblvm_core.rundir import (
     write_recipe,
 )
 from eblvm_core.state import RunState
-from eblvm_core.trainer import Trainer
+from eblvm_core.trainer import AfterEvaluation, Trainer
 
 DICT_RECIPE = "<recipe dict>"  # what errors name as the file of a recipe given as data
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what makes training write a checkpoint and stop
 
 
 def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: list[str] = ()) -> Recipe:
@@ -72,6 +74,10 @@ def run(
     resume: str | Path | None = None,
     echo: Callable[[str], None] = print,
     command: str | None = None,
+    *,
+    stop_signals: Sequence[int] = STOP_SIGNALS,
+    launcher: Mapping[str, Any] | None = None,
+    after_evaluation: AfterEvaluation | None = None,
 ) -> tuple[Path, dict[str, float]]:
     """Train from a recipe (a path, TOML-ready data or a ``Recipe``: ``resolve_recipe``) or
     continue the run in ``resume`` (a run directory, or a run's name folder: its latest run, said
@@ -84,7 +90,15 @@ def run(
 
     On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, patience,
     intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
-    checkpoint, before anything is written. Under torchrun every process calls it and joins the
+    checkpoint, before anything is written.
+
+    For whoever starts sessions on someone's behalf (a cluster job, a search): ``stop_signals``
+    are the signals that make training write a checkpoint and stop (``Signals``; a cluster job adds
+    the one its scheduler sends before a time limit); ``launcher`` is recorded in run.json's
+    session as how it was launched (e.g. ``{"kind": "slurm", "job_id": "812_3"}``);
+    ``after_evaluation`` may end the run after an evaluation (``Trainer``; a search's pruner).
+
+    Under torchrun every process calls it and joins the
     process group for the run; ranks > 0 return an empty evaluation. On a CPU, subnormal floats
     are flushed to zero while it trains and evaluates (``context.subnormals_flushed``).
     """
@@ -108,23 +122,38 @@ def run(
     except ConfigError as exc:
         recipe.blame(exc)
         raise
-    with stop_on_signals() as signals, distributed.process_group(torch_device) as torch_device:
-        run_dir, results = _train(recipe, torch_device, out, resume, echo, signals, command)
+    with stop_on_signals(stop_signals) as signals, distributed.process_group(torch_device) as torch_device:
+        started = Started(command, launcher, after_evaluation)
+        run_dir, results = _train(recipe, torch_device, out, resume, echo, signals, started)
         if distributed.rank() == 0:
             echo(f"done: {run_dir}")
         return run_dir, results
 
 
+@attrs.frozen
+class Started:
+    """What the caller of ``run`` says about the session besides the recipe: the command that
+    started it, how it was launched (run.json) and who watches its evaluations (``Trainer``)."""
+
+    command: str | None = None
+    launcher: Mapping[str, Any] | None = None
+    after_evaluation: AfterEvaluation | None = None
+
+
 class Signals:
-    """How a session answers SIGINT and SIGTERM once training has started (``watch``): the first
-    asks the trainer to finish its step, write a checkpoint and stop (``Trainer.stop_signal``); a
-    second Ctrl-C aborts training at once (KeyboardInterrupt). Once training has ended, for
-    whatever reason, both are ignored while the session shuts down (process group, logs,
-    provenance), so a late Ctrl-C neither loses a record nor prints a traceback."""
+    """How a session answers its stop signals (SIGINT, SIGTERM and any others it was given) once
+    training has started (``watch``): the first asks the trainer to finish its step, write a
+    checkpoint and stop (``Trainer.stop_signal``); a second Ctrl-C aborts training at once
+    (KeyboardInterrupt). Once training has ended, for whatever reason, they are ignored while the
+    session shuts down (process group, logs, provenance), so a late Ctrl-C neither loses a record
+    nor prints a traceback. Before training starts, Ctrl-C interrupts as usual and any other
+    signal goes to the handler that was there before the session (``previous``), else does what
+    it does by default (SIGTERM ends the process)."""
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
         self.training = False
+        self.previous: dict[int, Any] = {}
 
     def watch(self, trainer: Trainer) -> None:
         self.trainer, self.training = trainer, True
@@ -136,6 +165,10 @@ class Signals:
         if self.trainer is None:  # not training yet: Ctrl-C interrupts the set-up as usual
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
+            before = self.previous.get(signum)
+            if callable(before):  # e.g. a cluster job's own handler (requeue)
+                before(signum, _frame)
+                return
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
             return
@@ -147,18 +180,18 @@ class Signals:
 
 
 @contextlib.contextmanager
-def stop_on_signals() -> Iterator[Signals]:
-    """The session's SIGINT/SIGTERM policy (``Signals``) within the block, the previous handlers
+def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[Signals]:
+    """The session's policy for ``signals`` (``Signals``) within the block, the previous handlers
     after it. Outside the main thread signals are left alone (the policy then watches nothing)."""
     policy = Signals()
     if threading.current_thread() is not threading.main_thread():
         yield policy
         return
-    previous = {sig: signal.signal(sig, policy) for sig in (signal.SIGINT, signal.SIGTERM)}
+    policy.previous = {sig: signal.signal(sig, policy) for sig in dict.fromkeys(signals)}
     try:
         yield policy
     finally:
-        for sig, old in previous.items():
+        for sig, old in policy.previous.items():
             signal.signal(sig, old)
 
 
@@ -184,7 +217,7 @@ def _train(
     resume: str | Path | None,
     echo: Callable[[str], None],
     signals: Signals,
-    command: str | None = None,
+    started: Started,
 ) -> tuple[Path, dict[str, float]]:
     """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
     seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
@@ -221,7 +254,7 @@ def _train(
         if rank == 0:
             announce_run_dir(run_dir)
         with subnormals_flushed(built.device), cudnn_autotuned(built.device, recipe.run.cudnn_benchmark):
-            return _fit(recipe, state, run_dir, threads, resume, echo, signals, command)
+            return _fit(recipe, state, run_dir, threads, resume, echo, signals, started)
     finally:
         for lock in locks:
             lock.release()
@@ -287,11 +320,12 @@ def _fit(
     resume: str | Path | None,
     echo: Callable[[str], None],
     signals: Signals,
-    command: str | None = None,
+    started: Started,
 ) -> tuple[Path, dict[str, float]]:
     """Write the run directory's recipe, provenance and log and make the loggers (rank 0), then
     the run's context and its trainer; train, and record how it ended: "finished", "stopped early"
-    ([run] patience), "diverged", "interrupted" or "failed"."""
+    ([run] patience), another status a ``Stop`` of ``after_evaluation`` gave ("pruned"),
+    "diverged", "interrupted" or "failed"."""
     rank, world, device = state.rank, state.world, state.parts.device
     provenance = Provenance(run_dir) if rank == 0 else None
     loggers: list[Logger] = []
@@ -303,7 +337,7 @@ def _fit(
                 if resume is not None:  # the final evaluation runs again at the end, or at once if it stopped early
                     final_pending = state.step == recipe.run.steps or state.out_of_patience()
                     clean_metrics(run_dir, state.step, final_pending)
-                provenance.start(str(device), world, state.step, threads, command)
+                provenance.start(str(device), world, state.step, threads, started.command, started.launcher)
                 loggers = build_loggers(recipe, run_dir)
                 if resume is not None:
                     for logger in loggers:
@@ -318,7 +352,7 @@ def _fit(
             raise
         log = RunLog(run_dir, echo) if rank == 0 else quiet
         context = RunContext(run_dir, device, threads, log, tuple(loggers), rank, world)
-        trainer = Trainer(recipe, state, context)
+        trainer = Trainer(recipe, state, context, started.after_evaluation)
         for warning in state.parts.warnings:
             log(f"warning: {warning}")
         if resume is not None and state.last_saved is None:
@@ -347,7 +381,7 @@ def _fit(
             ) from None
         finally:
             signals.done()
-        status = "finished" if trainer.stopped_early is None else "stopped early"
+        status = "finished" if trainer.stopped is None else trainer.stopped.status
         if rank == 0:
             for key, value in results.items():
                 log(f"{key.removeprefix('eval/')}: {value:.6g}")

@@ -3,7 +3,8 @@ fixed points call small named parts: ``Progress`` (metric sums, the log line wit
 ETA, the progress bar, the warning for a stalled role), ``Guard`` (the NaN guard: a non-finite
 loss, parameter or evaluation stops the run with its last good checkpoint), ``Evaluation``
 (evaluators on averaged weights, model selection into best.pt, early stopping), the checkpoint
-schedule and a stop asked by a signal. The trainer holds the ``state.RunState`` it trains and the
+schedule and a stop asked by a signal or by whoever watches the evaluations (``after_evaluation``,
+e.g. a hyperparameter search's pruner). The trainer holds the ``state.RunState`` it trains and the
 ``context.RunContext`` it writes to; under torchrun the same loop runs on every rank, rank 0
 alone writing and evaluating."""
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
@@ -29,6 +31,19 @@ from eblvm_core.roles import averaged
 from eblvm_core.state import RunState, call_evaluators
 
 Step = Callable[[Tensor], dict[str, Any]]
+
+
+@attrs.frozen
+class Stop:
+    """Why a run ends after an evaluation before [run] steps: the status run.json records for the
+    session ("stopped early" for [run] patience; "pruned" for a search's pruner) and the line the
+    console and run.log print."""
+
+    status: str
+    why: str
+
+
+AfterEvaluation = Callable[[int, dict[str, float]], "Stop | None"]
 
 
 class Evaluation:
@@ -98,13 +113,21 @@ class Evaluation:
 
 class Trainer:
     """Trains ``state`` by ``recipe`` in ``context``. ``stop_signal`` (set by SIGINT/SIGTERM) makes
-    the loop write a checkpoint and stop after the step; ``stopped_early`` says why a run ended
-    before [run] steps (early stopping)."""
+    the loop write a checkpoint and stop after the step; ``stopped`` says why a run ended before
+    [run] steps after an evaluation: early stopping, or ``after_evaluation``'s answer.
 
-    def __init__(self, recipe: Recipe, state: RunState, context: RunContext):
+    ``after_evaluation(step, scalars)``, when given, is called on rank 0 after each evaluation
+    during training (not the final one); a ``Stop`` it returns ends the run there as early stopping
+    does: that evaluation is the final one, last.pt is written at its step, the line is printed and
+    run.json records the status. Every rank gets rank 0's answer."""
+
+    def __init__(
+        self, recipe: Recipe, state: RunState, context: RunContext, after_evaluation: AfterEvaluation | None = None
+    ):
         self.recipe, self.state, self.context = recipe, state, context
+        self.after_evaluation = after_evaluation
         self.stop_signal: str | None = None
-        self.stopped_early: str | None = None
+        self.stopped: Stop | None = None
         self.progress = Progress(state, context, recipe.run.steps)
         self.guard = Guard(state)
         self.evaluate = Evaluation(recipe, state, context, self.progress.say, self.guard)
@@ -113,12 +136,13 @@ class Trainer:
         """Train to [run] steps, then evaluate; returns the final evaluation. A log step records
         the metrics' means (``Progress``), a checkpoint step writes checkpoints/last.pt (also at the
         end), a keep step checkpoints/step-<N>.pt; before either the NaN guard checks every step
-        since the last check. An evaluation that exhausts [run] patience is the final one: the
-        steps since the last log step are logged, last.pt is written at its step, and a line says
-        why (``stopped_early``)."""
+        since the last check. An evaluation that exhausts [run] patience, or after which
+        ``after_evaluation`` says stop, is the final one: the steps since the last log step are
+        logged, last.pt is written at its step, and a line says why (``stopped``)."""
         run, state, progress = self.recipe.run, self.state, self.progress
-        if state.step < run.steps and (stopping := self.evaluate.early_stop()) is not None:
-            self._stop_early(stopping)  # a resumed run that had stopped early: only its final evaluation is left
+        if state.step < run.steps and (line := self.evaluate.early_stop()) is not None:
+            # a resumed run that had stopped early: only its final evaluation is left
+            self._stop(Stop("stopped early", line))
             return self.evaluate()
         step = self.training_step()
         prefetch = state.parts.device.type == "cuda"  # the next batch on its way while the GPU runs the step
@@ -137,7 +161,7 @@ class Trainer:
                 if run.eval_every and state.step % run.eval_every == 0 and not at_end:
                     with progress.pause():
                         results = self.evaluate()
-                    stopping = self.evaluate.early_stop()
+                    stopping = self._asked_to_stop(results)
                     if stopping is not None and not log_now:  # the evaluation ends the run: log the steps since
                         if not (save_now or keep_now):
                             self.guard.check(progress.sums, since=state.step - progress.count)
@@ -146,7 +170,7 @@ class Trainer:
                     with progress.pause():
                         state.save(self.context.run_dir, last=save_now or stopping is not None, keep=keep_now)
                 if stopping is not None:
-                    self._stop_early(stopping)
+                    self._stop(stopping)
                     return results
                 self._stop_if_asked(sync=log_now or save_now, saved=save_now)
         results = self.evaluate()
@@ -178,9 +202,20 @@ class Trainer:
         self.guard.check_number(metrics.get("loss", 0.0))
         self.progress.add(metrics)  # with several ranks a non-finite number stops them all at the next check
 
-    def _stop_early(self, why: str) -> None:
-        self.stopped_early = why
-        self.progress.say(why)
+    def _asked_to_stop(self, results: dict[str, float]) -> Stop | None:
+        """After an evaluation during training: early stopping's verdict, else ``after_evaluation``'s
+        (rank 0's, given to every rank)."""
+        line = self.evaluate.early_stop()
+        if line is not None:
+            return Stop("stopped early", line)
+        if self.after_evaluation is None:
+            return None
+        stop = self.after_evaluation(self.state.step, results) if self.state.rank == 0 else None
+        return distributed.broadcast_object(stop) if self.state.world > 1 else stop
+
+    def _stop(self, stop: Stop) -> None:
+        self.stopped = stop
+        self.progress.say(stop.why)
 
     def training_step(self) -> Step:
         """The estimator's step; on a GPU wrapped to be replayed from a CUDA graph where it can

@@ -21,13 +21,17 @@ A spec's format: ``eblvm_core.experiments.spec``.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import multiprocessing
 import os
+import shlex
 import statistics
+import sys
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -36,16 +40,18 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.errors import ConfigError, TrainingDiverged
+from eblvm_core.errors import ConfigError, EblvmError, TrainingDiverged
+from eblvm_core.experiments.launcher import Job
 from eblvm_core.experiments.spec import Spec, load_spec, select, slug
 from eblvm_core.rundir import Provenance
 
 # ---- running --------------------------------------------------------------------------------
 
 
-def run_one(task: dict[str, Any]) -> dict[str, Any]:
+def run_one(task: dict[str, Any], **session: Any) -> dict[str, Any]:
     """Train one (row, seed) and gather what the summary needs; runs in a worker process
-    when --jobs > 1. Returns {method (the row's name), seed, run_dir, seconds (with the earlier
+    when --jobs > 1, in a cluster job with a launcher (``session``: what it passes on to
+    ``session.run``). Returns {method (the row's name), seed, run_dir, seconds (with the earlier
     sessions' of a resumed run), final, image}, and for a grid point {grid: {method, point}}."""
     from eblvm_core.plugins import load
     from eblvm_core.session import run as train
@@ -64,9 +70,11 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
             log.flush()
 
         if task["resume"]:
-            run_dir, final = train(None, task["resume_overrides"], task["device"], resume=task["resume"], echo=echo)
+            run_dir, final = train(
+                None, task["resume_overrides"], task["device"], resume=task["resume"], echo=echo, **session
+            )
         else:
-            run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo)
+            run_dir, final = train(task["recipe"], task["overrides"], task["device"], task["out"], echo=echo, **session)
     seconds = earlier + time.perf_counter() - start
     final = _tabulated(run_dir, task, final)
     image = _image(run_dir, task) if task["image"] and task["first_seed"] else None
@@ -198,6 +206,8 @@ def compare(
     echo: Callable[[str], None] = print,
     only: list[str] = (),
     seed_offset: int | None = None,
+    launcher: str = "local",
+    slurm: Mapping[str, Any] | None = None,
 ) -> Path:
     """Run the spec's rows (its methods, or each method's grid points when it sweeps) over seeds
     and write table.md, figure.png and results.json into ``out`` (default results/<name>);
@@ -208,19 +218,34 @@ def compare(
     in ``out``: their records in done/, else their finished run directories, without training).
     A run that stops on a NaN or an infinity (TrainingDiverged) is reported, left out of the table
     and not recorded, so a rerun retries it; the others go on, and once everything is tabulated
-    the comparison raises TrainingDiverged naming the runs that stopped."""
+    the comparison raises TrainingDiverged naming the runs that stopped.
+
+    ``launcher`` "slurm" (or "submitit-local") sends the runs to the cluster as one job array
+    with the spec's [launcher] resources, ``slurm`` (the command line's) put over them
+    (``launcher.SlurmConfig``), and watches the jobs: a line as each is queued, running, finished
+    or failed; each job tabulates its run and writes its done/ record itself. Jobs that are
+    still queued or running from an earlier command (jobs.json) are watched, not submitted
+    again. Failed jobs are reported after the table (JobsFailed); a rerun retries them."""
     import tomli_w
 
     from eblvm_core.recipe import load_recipe
 
     extra = list(overrides) + ([f"run.steps={steps}"] if steps is not None else [])
     spec = load_spec(spec_path, extra)
+    cluster = None
+    if launcher != "local":
+        from eblvm_core.experiments.launcher import require_submitit, with_options
+
+        cluster = with_options(spec.launcher, slurm or {})
+        require_submitit(launcher)
     cfg = spec.compare
     chosen = select(spec, only)
     n_seeds = seeds if seeds is not None else cfg.seeds
     out = Path(out) if out is not None else Path("results") / cfg.name
     (out / "recipes").mkdir(parents=True, exist_ok=True)
     threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    if cluster is not None:
+        threads = cluster.cpus or 0
     tasks, resolved = [], []  # resolved: each task's Recipe.to_dict()
     for row in spec.methods:
         recipe_path = out / "recipes" / f"{slug(row.name)}.toml"
@@ -258,14 +283,20 @@ def compare(
         what = f"{len(spec.methods)} rows ({n_methods} methods, their grid points)"
     else:
         what = f"{len(spec.methods)} methods"
-    echo(f"compare {spec.path}: {what} × {n_seeds} seeds, {jobs} job(s), results in {out}")
+    how = f"{jobs} job(s)" if cluster is None else f"a {launcher} job array"
+    echo(f"compare {spec.path}: {what} × {n_seeds} seeds, {how}, results in {out}")
     by_index: dict[int, dict[str, Any]] = {}
     pending = []
+    live = _live_jobs(out, tasks) if cluster is not None else {}
     for index, task in enumerate(tasks):
         earlier = done_record(task, out)
         if earlier is not None:
             echo(f"  {task['method']} seed {task['seed']}: done earlier, not rerun  {earlier['run_dir']}")
             by_index[index] = earlier
+            continue
+        if index in live:
+            echo(f"  {task['method']} seed {task['seed']}: job {live[index].job_id} submitted earlier, watched")
+            pending.append(index)
             continue
         unfinished = unfinished_run(task, resolved[index])
         # a finished run with nothing left to train is tabulated as it stands
@@ -293,7 +324,10 @@ def compare(
         echo(f"  {result['method']} seed {result['seed']}: {result['seconds']:.1f} s  {result['run_dir']}")
         by_index[index] = result
 
-    if jobs > 1 and len(pending) > 1:
+    failed: dict[int, str] = {}
+    if cluster is not None:
+        _run_jobs(launcher, cluster, spec, tasks, pending, live, out, echo, done, failed)
+    elif jobs > 1 and len(pending) > 1:
         with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {pool.submit(run_one, tasks[index]): index for index in pending}
             try:
@@ -323,12 +357,134 @@ def compare(
 
         save_image(figure, out / "figure.png")
     echo(table)
+    if failed:
+        raise JobsFailed(
+            f"{len(failed)} of {len(tasks)} jobs failed and are left out of {out / 'table.md'} "
+            "(run the command again to retry them): "
+            + "; ".join(f"{tasks[i]['method']} seed {tasks[i]['seed']}: {why}" for i, why in failed.items())
+        )
     if stopped:
         raise TrainingDiverged(
             f"{len(stopped)} of {len(tasks)} runs stopped on a NaN or an infinity and are left out of "
             f"{out / 'table.md'}: " + ", ".join(f"{method} seed {seed}" for method, seed in stopped)
         )
     return out
+
+
+# ---- cluster jobs ----------------------------------------------------------------------------
+
+JOBS = "jobs.json"  # a results folder's record of the jobs it submitted, by run name
+
+
+class TaskJob(Job):
+    """One run of a comparison (``compare.run_one``'s task) in a job array: trains or resumes it,
+    tabulates it, writes its done/ record itself (a comparison no longer watching picks it up
+    later) and returns the result, or {"diverged": why} when it stopped on a NaN."""
+
+    def __init__(self, launcher: str, folder: Path, task: dict[str, Any], out: str, command: str) -> None:
+        super().__init__(launcher, folder)
+        self.task, self.out, self.command = dict(task), out, command
+
+    def resume_from(self, run_dir: str) -> None:
+        super().resume_from(run_dir)
+        self.task["resume"], self.task["resume_overrides"] = run_dir, []
+
+    def train(self, stop_signals: tuple[int, ...], launcher: dict[str, Any]) -> dict[str, Any]:
+        if self.resume is not None:
+            self.resume_from(self.resume)
+        try:
+            result = run_one(self.task, stop_signals=stop_signals, launcher=launcher, command=self.command)
+        except TrainingDiverged as exc:
+            return {"diverged": str(exc)}
+        write_done_record(self.task, result, Path(self.out))
+        return result
+
+
+class JobsFailed(EblvmError):
+    """Cluster jobs of a comparison failed (their runs are left out of the table)."""
+
+    exit_code = 1
+
+
+def _digest(fingerprint: str) -> str:
+    return hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+
+
+def _job_records(out: Path) -> dict[str, Any]:
+    try:
+        records = json.loads((out / JOBS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return records if isinstance(records, dict) else {}
+
+
+def _live_jobs(out: Path, tasks: list[dict[str, Any]]) -> dict[int, Any]:
+    """Jobs of an earlier command still queued or running, by task index."""
+    from eblvm_core.experiments.launcher import job_state, reattach
+
+    records, live = _job_records(out), {}
+    for index, task in enumerate(tasks):
+        record = records.get(task["name"])
+        handle = reattach(record) if isinstance(record, dict) else None
+        if handle is not None and record.get("fingerprint") == _digest(task["fingerprint"]):
+            with contextlib.suppress(Exception):  # a job the cluster forgot is submitted again
+                if job_state(handle) in ("queued", "running"):
+                    live[index] = handle
+    return live
+
+
+def _run_jobs(
+    launcher: str,
+    cluster: Any,
+    spec: Spec,
+    tasks: list[dict[str, Any]],
+    pending: list[int],
+    live: dict[int, Any],
+    out: Path,
+    echo: Callable[[str], None],
+    done: Callable[[int, Callable[[], dict[str, Any]]], None],
+    failed: dict[int, str],
+) -> None:
+    """Submit the pending runs that no earlier job is training as one job array, record the jobs
+    in jobs.json, and watch every job to its end (``launcher.watch``)."""
+    from eblvm_core.experiments.launcher import default_folder, executor, job_record, poll_seconds, submit, watch
+
+    handles = {index: live[index] for index in pending if index in live}
+    fresh = [index for index in pending if index not in live]
+    if fresh:
+        folder = default_folder(cluster, out).resolve()
+        ex = executor(launcher, cluster, folder, spec.compare.name)
+        command = shlex.join(sys.argv)
+        submitted = submit(ex, [TaskJob(launcher, folder, tasks[i], str(out), command) for i in fresh])
+        records = _job_records(out)
+        for index, handle in zip(fresh, submitted):
+            handles[index] = handle
+            record = job_record(launcher, handle, folder, cluster.tasks_per_node * cluster.nodes)
+            records[tasks[index]["name"]] = {**record, "fingerprint": _digest(tasks[index]["fingerprint"])}
+        (out / JOBS).write_text(json.dumps(records, indent=1))
+        ids = submitted[0].job_id if len(submitted) == 1 else f"{submitted[0].job_id} to {submitted[-1].job_id}"
+        echo(f"submitted {len(fresh)} {launcher} job(s), {ids}; their logs: {folder}")
+
+    def ended(index: int, result: Any, error: str | None) -> None:
+        if error is not None:
+            failed[index] = error
+            echo(f"  {tasks[index]['method']} seed {tasks[index]['seed']}: job failed: {error}")
+            return
+
+        def outcome() -> dict[str, Any]:
+            if isinstance(result, dict) and "diverged" in result:
+                raise TrainingDiverged(result["diverged"])
+            return result
+
+        done(index, outcome)
+
+    watch(
+        handles,
+        lambda index: f"{tasks[index]['method']} seed {tasks[index]['seed']}",
+        echo,
+        ended,
+        poll_seconds(launcher),
+    )
 
 
 # ---- summaries ------------------------------------------------------------------------------

@@ -31,6 +31,11 @@ A spec::
     "optim.model.lr" = [1e-3, 3e-3]                               # row label: the key's last part, "lr"
     "estimator.inner_steps" = { values = [5, 10], label = "K" }   # or a label of its own
 
+    [launcher]        # optional: each job's resources with --launcher slurm (launcher.SlurmConfig)
+    partition = "gpu"
+    time = "12:00:00"
+    gpus = 1
+
 With the [sweep] above a method "BiSSM" gives the rows "BiSSM lr=0.001 K=5", "BiSSM lr=0.001
 K=10", "BiSSM lr=0.003 K=5" and "BiSSM lr=0.003 K=10" (the first key varies slowest), each run
 over the seeds; a point's values apply after the spec's and the method's overrides (before
@@ -55,6 +60,7 @@ import attrs
 
 from eblvm_core.config import non_negative, option, positive, structure
 from eblvm_core.errors import ConfigError
+from eblvm_core.experiments.launcher import SlurmConfig, slurm_config
 from eblvm_core.plugins import load
 from eblvm_core.recipe import Recipe, _component, apply_override, apply_overrides, blame, read, set_value, validate
 
@@ -145,6 +151,7 @@ class Spec:
     recipes: dict[str, dict[str, Any]]
     recipe_paths: dict[str, Path]
     final_evals: list[dict[str, Any]]
+    launcher: SlurmConfig = attrs.field(factory=SlurmConfig)
 
     @property
     def sweeps(self) -> bool:
@@ -164,7 +171,7 @@ def _tables(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return items
 
 
-SECTIONS = ("compare", "method", "eval", "final_eval", "sweep")
+SECTIONS = ("compare", "method", "eval", "final_eval", "sweep", "launcher")
 IMAGE_EVALUATORS = ("density-plot", "sample-grid")  # what [compare] image defaults to, the first a recipe runs
 
 
@@ -270,9 +277,10 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
             raise ConfigError(
                 unknown[0],
                 None,
-                "unknown section; a spec has [compare], [[method]], [[eval]], [[final_eval]] and [sweep]",
+                "unknown section; a spec has [compare], [[method]], [[eval]], [[final_eval]], [sweep] and [launcher]",
             )
         compare = structure(CompareConfig, raw.get("compare", {}), "compare")
+        launcher = slurm_config(raw.get("launcher", {}))
         if compare.table_steps and not compare.curve:
             raise ConfigError("compare", "table_steps", "needs a curve metric: set curve")
         if any(step < 1 for step in compare.table_steps):
@@ -332,7 +340,7 @@ def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
         recipes[row.name], recipe_paths[row.name] = merged, recipe_path
     if compare.image is None:
         compare = attrs.evolve(compare, image=default_image(list(recipes.values())))
-    return Spec(path, compare, table, recipes, recipe_paths, final_evals)
+    return Spec(path, compare, table, recipes, recipe_paths, final_evals, launcher)
 
 
 def select(spec: Spec, only: list[str]) -> set[str] | None:
