@@ -450,7 +450,11 @@ def test_every_hookspec_is_called_for_an_entry_point_plugin(hook, monkeypatch):
     listing = CliRunner().invoke(app, ["plugins"]).output
     assert "meta  (eblvm_meta_plugin)" in listing
     if kind == "commands":
-        assert [(n, p) for n, _fn, p in loaded.commands] == [("compare", "experiments"), ("meta-hello", "meta")]
+        assert [(n, p) for n, _fn, p in loaded.commands] == [
+            ("compare", "experiments"),
+            ("search", "experiments"),
+            ("meta-hello", "meta"),
+        ]
         app.command("meta-hello")(hello)
         try:
             assert "hello from a plugin command" in CliRunner().invoke(app, ["meta-hello"]).output
