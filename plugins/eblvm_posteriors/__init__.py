@@ -179,7 +179,7 @@ class BernoulliPosterior(Posterior):
 
     # Closed forms, used by options that are off by default (the exact KL lower level, the
     # natural-gradient unroll and the block solve of the implicit estimator; docs/results.md,
-    # "Hypergradients that see the flat directions"). Nothing above calls them.
+    # "Why BiSSM plateaus below SSM"). Nothing above calls them.
 
     def mean_and_expected_log_prob(self, v: Tensor) -> tuple[Tensor, Tensor]:
         """E_q[h] = sigmoid(l) (B, m) and E_q[log q(h|v)] = Σ_j q_j l_j − softplus(l_j) (B,), the

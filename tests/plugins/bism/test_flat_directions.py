@@ -1,5 +1,5 @@
-"""Hypergradients that see the flat directions of BiSM's lower level (issue #26, docs/results.md):
-the KL lower level in closed form for an energy linear in h (``[divergence] exact``), the Bernoulli
+"""Hypergradients that see the flat directions of BiSM's lower level (docs/results.md, "Why BiSSM
+plateaus below SSM"): the KL lower level in closed form for an energy linear in h (``[divergence] exact``), the Bernoulli
 posterior's Fisher blocks, the Gauss-Newton unrolled step (``unroll = "natural"``) and the block
 solve of the implicit estimator (``hessian = "fisher-blocks"``); each hypergradient against
 central finite differences, and the options off changing nothing."""
