@@ -41,6 +41,7 @@ def environment(**extra: str) -> dict[str, str]:
         "PYTHONPATH": path,
         "EBLVM_PLUGIN_MODULES": "tests.support.fixed_noise",
         "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",  # a rank that aborts (SIGABRT) prints where each thread was
         **extra,
     }
 

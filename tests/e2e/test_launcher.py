@@ -117,11 +117,12 @@ def test_a_comparison_runs_as_submitit_jobs_end_to_end(cli, write_recipe, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR2], ids=["SIGTERM", "SIGUSR2-time-limit"])
-def test_a_job_told_to_stop_checkpoints_is_requeued_and_ends_as_an_uninterrupted_run(write_recipe, tmp_path, signum):
-    """SIGTERM (preemption) or USR2 (Slurm's warning before the time limit) to the job's training
-    process: it finishes its step, writes its checkpoint, and submitit requeues the job, which
-    resumes the same run directory; the run ends with an uninterrupted run's parameters."""
+def test_a_job_told_to_stop_checkpoints_is_requeued_and_ends_as_an_uninterrupted_run(write_recipe, tmp_path):
+    """USR2 (Slurm's warning before the time limit) to the job's training process: it finishes
+    its step, writes its checkpoint, and submitit requeues the job, which resumes the same run
+    directory; the run ends with an uninterrupted run's parameters. SIGTERM (preemption) is sent
+    to the two-rank job below."""
+    signum = signal.SIGUSR2
     pytest.importorskip("submitit", reason=NO_SUBMITIT)
     from eblvm_core.session import run
 
