@@ -350,6 +350,16 @@ def main() -> None:
                 app.command(name)(fn)
     try:
         app()
+    except SystemExit as exc:
+        distributed = sys.modules.get("eblvm_core.distributed")
+        if distributed is not None and distributed.was_a_rank():  # leave before torch's teardown can abort
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, int | None):
+                print(exc.code, file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        raise
     finally:  # exiting: a late Ctrl-C must not print a traceback from an exit handler
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 

@@ -27,6 +27,7 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: a ResNet-18's float32 gr
 TIMEOUT = datetime.timedelta(minutes=60)  # ranks > 0 wait this long for rank 0's evaluations and checkpoints
 _local = False  # inside ``local()``: collectives off
 _groups_torn_down = 0  # process groups this process has left
+_joined = False  # whether ``process_group`` made this process a rank of a process group
 
 
 def active() -> bool:
@@ -61,6 +62,8 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
+    global _joined
+    _joined = True
     from eblvm_core.errors import TrainingDiverged
 
     try:
@@ -73,6 +76,14 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
         dist.destroy_process_group()
         raise
     leave_process_group()
+
+
+def was_a_rank() -> bool:
+    """Whether this process was a rank of a process group it joined in ``process_group``. Such a
+    process should end with ``os._exit`` once its output is flushed (``cli.main``): after a
+    finished run, the interpreter's teardown can still abort in torch's C++ destructors
+    ("terminate called without an active exception", exit -6) with no Python frame left."""
+    return _joined
 
 
 def leave_process_group() -> None:
