@@ -152,8 +152,9 @@ def validate(
 
     Whatever `eblvm run` would reject before its first step is rejected here, with the same
     one-line error and exit code 2. Comparison specs ([compare] and [[method]]) are checked
-    row by row; search specs ([search] and [params]) at every end of every searched range. With --show, each resolved recipe is printed as `eblvm run` would write it into
-    the run directory's recipe.toml.
+    row by row; search specs ([search] and [params]) at every end of every searched range. With
+    --show, each resolved recipe is printed as `eblvm run` would write it into the run
+    directory's recipe.toml.
     """
     from eblvm_core.build import dry_run
     from eblvm_core.experiments.search_spec import is_search_spec, search_recipes
