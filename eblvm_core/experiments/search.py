@@ -577,15 +577,18 @@ def report(spec: SearchSpec, study: Any, out: Path, url: str) -> str:
     (out / "results.json").write_text(
         json.dumps({"spec": str(spec.path), "study": spec.name, "storage": shown(url), "trials": rows}, indent=2)
     )
-    notes = _plots(study, out, len(complete))
+    notes = _plots(study, out, len(complete), short(metric))
     if notes:
         table += "\n" + "\n".join(notes) + "\n"
     return table
 
 
-def _plots(study: Any, out: Path, complete: int) -> list[str]:
-    """importance.png, history.png and intermediate.png by Optuna's matplotlib plots; a note for
-    each that cannot be drawn yet (importances need two completed trials)."""
+def _plots(study: Any, out: Path, complete: int, metric: str) -> list[str]:
+    """importance.png, history.png and intermediate.png by Optuna's matplotlib plots, the values
+    named ``metric``; a note for each that cannot be drawn yet (importances need two completed
+    trials)."""
+    import functools
+
     import matplotlib
 
     if "matplotlib.pyplot" not in sys.modules:
@@ -595,9 +598,13 @@ def _plots(study: Any, out: Path, complete: int) -> list[str]:
     notes = []
     with quiet_optuna() as optuna:
         plots = {
-            "history.png": optuna.visualization.matplotlib.plot_optimization_history,
+            "history.png": functools.partial(
+                optuna.visualization.matplotlib.plot_optimization_history, target_name=metric
+            ),
             "intermediate.png": optuna.visualization.matplotlib.plot_intermediate_values,
-            "importance.png": optuna.visualization.matplotlib.plot_param_importances,
+            "importance.png": functools.partial(
+                optuna.visualization.matplotlib.plot_param_importances, target_name=metric
+            ),
         }
         for name, plot in plots.items():
             if name == "importance.png" and complete < 2:
