@@ -96,18 +96,20 @@ class Evaluation:
         else:
             state.stale += 1
 
-    def early_stop(self) -> str | None:
-        """After an evaluation: why the run stops early (a line for the console), or None. Every
-        rank calls it and gets rank 0's answer (a collective under torchrun)."""
+    def early_stop(self) -> Stop | None:
+        """After an evaluation: the Stop ("stopped early", a line for the console) that [run]
+        patience asks for, or None. Every rank calls it and gets rank 0's answer (a collective
+        under torchrun)."""
         run, state = self.recipe.run, self.state
         if run.patience is None or not distributed.any_rank(state.out_of_patience()):
             return None
         if state.rank:
-            return "stopped early on rank 0"
+            return Stop("stopped early", "stopped early on rank 0")
         best = f"{state.best:.6g}" + (f" (step {state.best_step})" if state.best_step is not None else "")
-        return (
+        return Stop(
+            "stopped early",
             f"stopped early at step {state.step}/{run.steps}: {run.select_metric} has not improved on {best} "
-            f"in {state.stale} evaluations ([run] patience = {run.patience})"
+            f"in {state.stale} evaluations ([run] patience = {run.patience})",
         )
 
 
@@ -140,9 +142,9 @@ class Trainer:
         ``after_evaluation`` says stop, is the final one: the steps since the last log step are
         logged, last.pt is written at its step, and a line says why (``stopped``)."""
         run, state, progress = self.recipe.run, self.state, self.progress
-        if state.step < run.steps and (line := self.evaluate.early_stop()) is not None:
+        if state.step < run.steps and (stop := self.evaluate.early_stop()) is not None:
             # a resumed run that had stopped early: only its final evaluation is left
-            self._stop(Stop("stopped early", line))
+            self._stop(stop)
             return self.evaluate()
         step = self.training_step()
         prefetch = state.parts.device.type == "cuda"  # the next batch on its way while the GPU runs the step
@@ -205,9 +207,9 @@ class Trainer:
     def _asked_to_stop(self, results: dict[str, float]) -> Stop | None:
         """After an evaluation during training: early stopping's verdict, else ``after_evaluation``'s
         (rank 0's, given to every rank)."""
-        line = self.evaluate.early_stop()
-        if line is not None:
-            return Stop("stopped early", line)
+        stop = self.evaluate.early_stop()
+        if stop is not None:
+            return stop
         if self.after_evaluation is None:
             return None
         stop = self.after_evaluation(self.state.step, results) if self.state.rank == 0 else None

@@ -63,10 +63,9 @@ def slurm_options(
             given["sbatch"] = sbatch_options(sbatch)
         except EblvmError as exc:
             fail(str(exc))
-    if given and launcher == "local":
-        named = next(key for key in given if key != "nproc_per_node") if set(given) - {"nproc_per_node"} else None
-        if named is not None:
-            fail(f"--{named.replace('_', '-')} is an option of a cluster job: add --launcher slurm")
+    cluster_only = [key for key in given if key != "nproc_per_node"]  # --nproc-per-node serves both
+    if launcher == "local" and cluster_only:
+        fail(f"--{cluster_only[0].replace('_', '-')} is an option of a cluster job: add --launcher slurm")
     return given
 
 
