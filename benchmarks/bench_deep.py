@@ -7,13 +7,14 @@
     python benchmarks/bench_deep.py --smoke [--flops | --peak | --profile]   # tiny networks, batch 4: a check, not a timing
 
 Each case builds a bundled recipe (its evaluators dropped) on random CIFAR-10- or MNIST-shaped
-data (no data file needed), warms up, then times ``--steps`` estimator steps on one fixed batch of 100,
-synchronising the device after each; reported: the median and the 10th/90th percentiles of the
+data (no data file needed) with ``eblvm.prepare``, warms up, then times ``--steps`` training steps
+as the training loop takes them (``Prepared.step``: the rates, the batch of 100, the precision, the
+estimator's step), synchronising the device after each; reported: the median and the 10th/90th percentiles of the
 step times, the peak memory the device allocated during the timed steps, and how much of it is
 parameters, gradients and optimizer states (the rest: activations and workspaces). On a CUDA device a
-case that ``eblvm run`` would replay from a CUDA graph (``graphs.graph_refusal`` finds no reason
-against it) is timed a second time, replayed (``graphs.GraphedStep``, the trainer's wrapper, with
-its scheduled rates in device tensors), on freshly built parts. Variants change the precision and
+case whose plan replays it from a CUDA graph is timed a second time, replayed as ``eblvm run``
+replays it (scheduled rates in device tensors), on freshly built parts; the eager timing sets
+``run.cuda_graph = false``. Variants change the precision and
 the memory format. Compare numbers only within one run on one card.
 
 ``--peak`` measures the rate the device reaches on one large square matrix product (fp32 with
@@ -52,11 +53,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from eblvm_core.build import build
-from eblvm_core.checkpoint import seed_everything
-from eblvm_core.data import Batches
-from eblvm_core.graphs import WARMUP_STEPS, GraphedStep, graph_refusal, scheduled_rates
-from eblvm_core.recipe import apply_override, read, validate
+import eblvm
+from eblvm_core.graphs import WARMUP_STEPS
+from eblvm_core.recipe import read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,17 +142,19 @@ def tiny(raw: dict) -> list[str]:
     return overrides
 
 
-def build_case(recipe: str, overrides: list[str], root: Path, device: torch.device) -> tuple[Any, Any, Tensor]:
-    """(validated recipe, built parts, one batch) of a case on the fake data in ``root``."""
-    raw = read(ROOT / "recipes" / recipe)
-    raw["eval"] = []
-    shrink = tiny(raw) if SMOKE else []
-    for override in [*overrides, *shrink, f'data.root="{root}"', 'run.device="cpu"']:
-        apply_override(raw, override)
-    spec = validate(raw, recipe)
-    seed_everything(0)
-    built = build(spec, device)
-    return spec, built, Batches(built.parts.data, spec.run.batch_size, 0, device, built.parts.dtype).next()
+def build_case(recipe: str, overrides: list[str], root: Path, device: torch.device, graphed: bool = False) -> Any:
+    """A case built as ``eblvm run`` builds it on the fake data in ``root`` (``eblvm.Prepared``),
+    replayed from a CUDA graph where its plan says so when ``graphed``, else eager."""
+    shrink = tiny(read(ROOT / "recipes" / recipe)) if SMOKE else []
+    options = [
+        *overrides,
+        *shrink,
+        f'data.root="{root}"',
+        "~eval",
+        "run.seed=0",
+        f"run.cuda_graph={str(graphed).lower()}",
+    ]
+    return eblvm.prepare(ROOT / "recipes" / recipe, overrides=options, device=str(device), echo=None)
 
 
 class FlopCount(TorchDispatchMode):
@@ -175,10 +176,10 @@ class FlopCount(TorchDispatchMode):
 
 def count_flops(recipe: str, overrides: list[str], root: Path, device: torch.device) -> int:
     """Floating-point operations of one update (after one warm-up update)."""
-    _, built, batch = build_case(recipe, overrides, root, device)
-    built.parts.estimator.step(batch)
+    case = build_case(recipe, overrides, root, device)
+    case.step()
     with FlopCount() as counter:
-        built.parts.estimator.step(batch)
+        case.step()
     return counter.total
 
 
@@ -188,17 +189,12 @@ def time_case(
     """Step times (s), peak memory and the bytes of parameters, gradients and optimizer states
     (``state_bytes``) of one case, eager or (``graphed``) replayed from a CUDA graph; None when
     graphed and the trainer would not capture this case's step."""
-    spec, built, batch = build_case(recipe, overrides, root, device)
-    estimator = built.parts.estimator
-    train_step = estimator.step
-    if graphed:
-        if graph_refusal(estimator.graph_safe, built.roles, device, 1, built.precision) is not None:
-            return None
-        train_step = GraphedStep(estimator.step, built.roles, print, scheduled_rates(built.roles))
+    case = build_case(recipe, overrides, root, device, graphed)
+    if graphed and case.plan.cuda_graph is not None:
+        return None
 
     def step() -> None:
-        with built.precision.autocast():
-            train_step(batch)
+        case.step()
         synchronize(device)
 
     for _ in range(max(warmup, WARMUP_STEPS + 1) if graphed else warmup):  # a graph: warm-up calls and the capture
@@ -211,7 +207,7 @@ def time_case(
         step()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
-    return times, peak, state_bytes(role.optimizer for role in built.roles.values())
+    return times, peak, state_bytes(role.optimizer for role in case.roles.values())
 
 
 def state_bytes(optimizers: Any) -> int:
@@ -323,12 +319,11 @@ def profile_case(recipe: str, overrides: list[str], root: Path, device: torch.de
     time on a CPU) of ``steps`` eager steps of one case, after two warm-up steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    spec, built, batch = build_case(recipe, overrides, root, device)
+    case = build_case(recipe, overrides, root, device)
     on_gpu = device.type == "cuda"
 
     def step() -> None:
-        with built.precision.autocast():
-            built.parts.estimator.step(batch)
+        case.step()
         synchronize(device)
 
     for _ in range(2):

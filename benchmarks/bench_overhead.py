@@ -18,9 +18,7 @@ gradients the updates used differ by more than 1e-6 (relative); it prints the di
 three steps and whether the parameters are bit-identical.
 
 Then the cases take turns (as in bench_estimators.py): every round runs ``--block`` timed steps
-of (a) the hand-written step, (b) ``estimator.step(batch)`` of the built recipe, (b') the same
-with every Adam stepped through ``torch.optim`` (``optimizer.step()``, as the hand-written step
-does) instead of ``TrainingRole.update``'s direct call of the fused kernel, and (c) the real training
+of (a) the hand-written step, (b) ``estimator.step(batch)`` of the built recipe, and (c) the real training
 loop, ``Trainer.fit`` over ``--trainer-block`` steps (batch stream, step, NaN-guard and metric
 bookkeeping, one log line per block; no evaluators, no checkpoint), divided by the steps.
 Reported: the median step and the 10th-90th percentiles of the round medians, and the ratios of
@@ -51,7 +49,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eblvm_core import roles
 from eblvm_core.build import build
 from eblvm_core.checkpoint import seed_everything
 from eblvm_core.recipe import load_recipe
@@ -213,37 +210,22 @@ def step_case(name: str, step: Callable[[Tensor], Any], batch: Tensor, block: in
     return Case(name, run)
 
 
-def torch_optim_steps(step: Callable[[Tensor], Any]) -> Callable[[Tensor], Any]:
-    """``step`` with every role's update stepping its Adam through ``optimizer.step()``, as before
-    ``fused_adam_step_on_cpu``: what the rest of eblvm's step costs beside the same optimizer calls."""
-
-    def slow(batch: Tensor) -> Any:
-        fast = roles.fused_adam_step_on_cpu
-        roles.fused_adam_step_on_cpu = lambda optimizer: False
-        try:
-            return step(batch)
-        finally:
-            roles.fused_adam_step_on_cpu = fast
-
-    return slow
-
-
 def trainer_case(name: str, spec: Any, built: Any, folder: Path, block: int) -> Case:
     """``Trainer.fit`` over ``block`` more steps per call (a trainer per call, on one run state, of a
     recipe built without evaluators); checkpoints skipped."""
-    from eblvm_core.context import RunContext
+    from eblvm_core.records import Records
     from eblvm_core.state import RunState
     from eblvm_core.trainer import Trainer
 
     state = RunState(spec, built)
     state.save = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    context = RunContext(folder, built.device, torch.get_num_threads())
+    records = Records(folder)
 
     def run() -> list[float]:
         recipe = attrs.evolve(spec, run=attrs.evolve(spec.run, steps=state.step + block))
         start = CLOCK()
         with contextlib.redirect_stderr(io.StringIO()):  # no progress bar
-            Trainer(recipe, state, context).fit()
+            Trainer(recipe, state, records).fit()
         return [(CLOCK() - start) / block]
 
     return Case(name, run)
@@ -338,11 +320,6 @@ def main() -> None:
                 continue
             cases.append((size, step_case("hand-written", hand, batch, block)))
             cases.append((size, step_case("estimator.step", built.parts.estimator.step, batch, block)))
-            if hasattr(roles, "fused_adam_step_on_cpu"):
-                _, built_o, _ = built_case(recipe, overrides)
-                torch.set_num_threads(args.threads)
-                step = torch_optim_steps(built_o.parts.estimator.step)
-                cases.append((size, step_case("estimator.step, Adam through torch.optim", step, batch, block)))
             if not args.no_trainer and size == "checkerboard":
                 spec_t, built_t, _ = built_case(recipe, [*overrides, "~eval"])  # the loop alone: no evaluation
                 torch.set_num_threads(args.threads)

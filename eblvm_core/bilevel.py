@@ -260,7 +260,7 @@ def condition_on(model: EnergyModel | Conditioned, x: Tensor, graph: bool = True
         if model.conditions(x):
             return model if graph else model.detach()
         model = model.model
-    if not getattr(model, "has_conditioning", False):
+    if not model.has_conditioning:
         return model
     if graph:
         return model.condition(x)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import attrs
 import typer
 
-from eblvm_core import experiments
-from eblvm_core.command import check_device, fail, guarded
+from eblvm_core.cli_support import check_device, fail, guarded
 from eblvm_core.errors import EblvmError
-from eblvm_core.experiments.commands import CPUS, GPUS, LAUNCHER, MEM, NODES, PARTITION, SBATCH, TIME, slurm_options
+from eblvm_core.launching import Launcher, RunRequest, launcher_options, owner_of
 
 app = typer.Typer(
     add_completion=False,
@@ -25,8 +27,29 @@ app = typer.Typer(
 )
 
 
-@app.command()
+def _print_version(asked: bool) -> None:
+    if asked:
+        from eblvm_core import __version__
+
+        typer.echo(f"eblvm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="print eblvm's version and exit"
+    ),
+) -> None:
+    """Learn energy-based latent variable models from TOML recipes."""
+
+
+LOCAL = "local"  # the launcher that trains in this process (or --nproc-per-node processes here)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
+    ctx: typer.Context,
     recipe: Path | None = typer.Argument(None, help="recipe file (omit with --resume)"),
     override: list[str] = typer.Option([], "-o", "--override", help="section.key=value; repeatable"),
     device: str | None = typer.Option(None, help="auto, cpu, cuda, cuda:N or mps (default: the recipe's)"),
@@ -39,18 +62,16 @@ def run(
         "--nproc-per-node",
         min=1,
         help="train with this many processes on this machine, started and watched by eblvm (data parallel; "
-        "docs/distributed.md); with --launcher slurm, processes per node of the job",
+        "docs/distributed.md); with a launcher, processes per node of its job",
     ),
-    launcher: str = LAUNCHER,
-    partition: str | None = PARTITION,
-    time: str | None = TIME,
-    nodes: int | None = NODES,
-    gpus: int | None = GPUS,
-    cpus: int | None = CPUS,
-    mem: str | None = MEM,
-    sbatch: list[str] = SBATCH,
+    launcher: str = typer.Option(
+        LOCAL,
+        "--launcher",
+        help="local: train here; another launcher a plugin registers (slurm: a Slurm job through submitit, "
+        "docs/cluster.md) trains elsewhere, and its options follow (`eblvm plugins` lists them)",
+    ),
     wait: bool = typer.Option(
-        False, "--wait", help="with --launcher slurm: watch the job to its end and print its final evaluation"
+        False, "--wait", help="with a launcher: watch the run to its end and print its final evaluation"
     ),
 ) -> None:
     """Train a model as a recipe says; print the final evaluation.
@@ -63,46 +84,76 @@ def run(
     check_device(device)
     if (recipe is None) == (resume is None):
         fail("give a recipe file or --resume RUN_DIR (one of them)")
-    options = slurm_options(launcher, partition, time, nodes, gpus, cpus, mem, None, sbatch, nproc_per_node)
-    if launcher != "local":
-        _submit(launcher, options, recipe, override, device, out, resume, wait)
+    request = RunRequest(recipe, override, resume, device, out)
+    if launcher != LOCAL:
+        guarded(lambda: _submit(launcher, ctx.args, nproc_per_node, request, wait))
         return
+    if ctx.args:
+        _not_local(ctx.args)
     if wait:
-        fail("--wait is for a cluster job: add --launcher slurm")
+        _not_local(["--wait"])
     if nproc_per_node is not None:
         if resume is not None:  # the processes, and the launcher's own records, name the run itself
-            resume = _run_dir(resume, "cannot resume")
-        raise typer.Exit(_launch(nproc_per_node, recipe, override, device, out, resume))
+            request = attrs.evolve(request, resume=_run_dir(resume, "cannot resume"))
+        raise typer.Exit(_launch(nproc_per_node, request))
 
     def go() -> None:
         from eblvm_core.session import run as train
 
-        train(recipe, override, device, out, resume, echo=typer.echo)  # prints the final evaluation and done:
+        train(request, echo=typer.echo)  # prints the final evaluation and done:
 
     guarded(go)
 
 
-def _submit(
-    launcher: str,
-    options: dict,
-    recipe: Path | None,
-    override: list[str],
-    device: str | None,
-    out: Path,
-    resume: Path | None,
-    wait: bool,
-) -> None:
-    """``eblvm run --launcher slurm``: the run as one cluster job (``experiments.launcher``)."""
+def _launchers() -> dict[str, Any]:
+    """The launchers plugins registered, by name: their registry entries."""
+    from eblvm_core.plugins import load
+
+    return {entry.name: entry for entry in load()["launchers"].entries()}
+
+
+def _runs_as(entry: Any) -> str:
+    """What a launcher's runs are, from the class its factory returns (``Launcher.runs_as``)."""
+    try:
+        returned = typing.get_type_hints(entry.factory).get("return")
+    except Exception:  # an annotation that does not resolve
+        returned = None
+    return returned.runs_as if isinstance(returned, type) and issubclass(returned, Launcher) else Launcher.runs_as
+
+
+def _not_local(args: list[str]) -> None:
+    """Refuse options the local launcher does not take: a launcher's own (naming it), else unknown."""
+    flag = next((a.split("=")[0] for a in args if a.startswith("--")), None)
+    launchers = _launchers()
+    owner = owner_of(flag, {name: e.config for name, e in launchers.items()}) if flag != "--wait" else None
+    if flag == "--wait":
+        owner = next(iter(launchers), None)
+        if owner is None:
+            fail("--wait is for a run a launcher starts elsewhere, and no plugin registers a launcher")
+        fail(f"--wait is for {_runs_as(launchers[owner])}: add --launcher {owner}")
+    if owner is not None:
+        fail(f"{flag} is an option of {_runs_as(launchers[owner])}: add --launcher {owner}")
+    fail(f"no such option: {flag or args[0]}")
+
+
+def _submit(name: str, args: list[str], nproc_per_node: int | None, request: RunRequest, wait: bool) -> None:
+    """``eblvm run --launcher NAME``: the run handed to a registered launcher with its options."""
     import shlex
 
-    def go() -> None:
-        from eblvm_core.experiments.launcher import SlurmConfig, require_submitit, submit_run, with_options
+    from eblvm_core.build import _make
+    from eblvm_core.config import structure
+    from eblvm_core.recipe import Section
 
-        config = with_options(SlurmConfig(), options)
-        require_submitit(launcher)
-        submit_run(launcher, config, recipe, override, device, out, resume, shlex.join(sys.argv), wait, typer.echo)
-
-    guarded(go)
+    launchers = _launchers()
+    if name not in launchers:
+        fail(f"--launcher must be {', '.join([LOCAL, *launchers])}, got '{name}'")
+    entry = launchers[name]
+    options = launcher_options(entry.config, args, skip=("nproc_per_node",), command="eblvm run")
+    if nproc_per_node is not None and "nproc_per_node" in attrs.fields_dict(entry.config):
+        options["nproc_per_node"] = nproc_per_node
+    config = structure(entry.config, options, "launcher (command line)")
+    launcher = _make(Section("launcher", entry, config))
+    launcher.submit(attrs.evolve(request, command=shlex.join(sys.argv)), wait, typer.echo)
 
 
 def _run_dir(path: Path, doing: str = "") -> Path:
@@ -119,20 +170,18 @@ def _run_dir(path: Path, doing: str = "") -> Path:
     return run_dir
 
 
-def _launch(
-    nproc: int, recipe: Path | None, override: list[str], device: str | None, out: Path, resume: Path | None
-) -> int:
+def _launch(nproc: int, request: RunRequest) -> int:
     """Train with ``nproc`` processes of ``python -m eblvm run ...`` started and watched by this
-    one (``eblvm_core.launch``); returns the exit code."""
+    one (``eblvm_core.processes``); returns the exit code."""
     if "WORLD_SIZE" in os.environ:
         fail("--nproc-per-node: this process was launched by torchrun already")
-    from eblvm_core.launch import run_processes
+    from eblvm_core.processes import run_processes
 
-    args = [str(recipe)] if recipe is not None else ["--resume", str(resume)]
-    args += [a for o in override for a in ("-o", o)] + ["--out", str(out)]
-    args += ["--device", device] if device is not None else []
+    args = [str(request.recipe)] if request.resume is None else ["--resume", str(request.resume)]
+    args += [a for o in request.overrides for a in ("-o", o)] + ["--out", str(request.out)]
+    args += ["--device", request.device] if request.device is not None else []
     sys.stdout.flush()
-    return run_processes(nproc, args, resume)
+    return run_processes(nproc, args, request.resume)
 
 
 @app.command()
@@ -142,35 +191,33 @@ def validate(
     check_data: bool = typer.Option(
         False,
         "--check-data",
-        help="also require the data files (by default a data set whose files are absent is replaced by a stand-in, with a warning)",
+        help="also read the data files, as run does (downloading them where the recipe sets download = true); by default a data set whose files are absent is replaced by a stand-in, with a warning",
     ),
     show: bool = typer.Option(
         False, "--show", help="print the resolved recipe (includes merged, overrides applied, every default) as TOML"
     ),
 ) -> None:
-    """Dry-run recipes: build every part at recipe size without training, downloading or writing.
+    """Dry-run recipes: build every part at recipe size without training or writing (or, without --check-data, downloading).
 
     Whatever `eblvm run` would reject before its first step is rejected here, with the same
-    one-line error and exit code 2. Comparison specs ([compare] and [[method]]) are checked
-    row by row; search specs ([search] and [params]) at every end of every searched range. With
+    one-line error and exit code 2. Specs a plugin reads (the experiments plugin's comparison specs,
+    checked row by row, and search specs, at every end of every searched range) too. With
     --show, each resolved recipe is printed as `eblvm run` would write it into the run
     directory's recipe.toml.
     """
     from eblvm_core.build import dry_run
-    from eblvm_core.experiments.search_spec import is_search_spec, search_recipes
-    from eblvm_core.experiments.spec import is_spec, spec_recipes
-    from eblvm_core.recipe import load_recipe, read
+    from eblvm_core.plugins import load
+    from eblvm_core.recipe import load_recipe
+    from eblvm_core.recipe.library import recipe_file
 
+    readers = [entry.factory for entry in load()["spec_readers"].entries()]
     bad = 0
     for path in recipes:
         try:
-            raw = read(path)
-            if is_search_spec(raw):
-                resolved = search_recipes(path, override)
-            elif is_spec(raw):
-                resolved = spec_recipes(path, override)
-            else:
-                resolved = {str(path): load_recipe(path, override)}
+            file = recipe_file(path)
+            resolved = next((found for read in readers if (found := read(file, override)) is not None), None)
+            if resolved is None:
+                resolved = {str(path): load_recipe(file, override)}
             warnings: dict[str, None] = {}
             for recipe in resolved.values():
                 warnings.update(dict.fromkeys(dry_run(recipe, check_data=check_data)))
@@ -191,28 +238,41 @@ def validate(
 
 
 @app.command()
-def plugins() -> None:
+def plugins(
+    name: str | None = typer.Argument(None, help="a component: its options alone"),
+    kind: str | None = typer.Option(None, help="only the components of this kind (model, estimator, ...)"),
+) -> None:
     """List plugins, what each registers, and each component's config fields."""
     from eblvm_core.config import describe
     from eblvm_core.plugins import load
+    from eblvm_core.registry import did_you_mean
 
     loaded = load()
-    for info in loaded.plugins:
-        typer.echo(f"{info.name}  ({info.module})")
-        for kind, names in info.components.items():
-            for name in names:
-                entry = loaded[kind].get(name)
-                typer.echo(f"  {kind[:-1]} {name}: {entry.doc}")
-                keys = entry.reported_keys()
-                if keys:
-                    typer.echo(f"      reports: {', '.join(keys)}")
-                for field, tp, default, help_ in describe(entry.config):
-                    typer.echo(f"      {field}: {tp} = {default}  {help_}".rstrip())
-        for cmd, _fn, plugin in loaded.commands:
-            if plugin == info.name:
-                typer.echo(f"  command {cmd}")
-    for name, why in loaded.failed.items():
-        typer.echo(f"{name}  FAILED: {why}")
+    found = [(k, n, info.name) for info in loaded.plugins for k, names in info.components.items() for n in names]
+    kinds = list(dict.fromkeys(k for k, _, _ in found))
+    if kind is not None and kind not in kinds and f"{kind}s" not in kinds:
+        fail(f"--kind: no kind '{kind}'{did_you_mean(kind, kinds)}; kinds: {', '.join(kinds)}")
+    shown = [f for f in found if kind is None or kind in (f[0], f[0][:-1])]
+    shown = [f for f in shown if name is None or f[1] == name]
+    if name is not None and not shown:
+        fail(f"no component '{name}'{did_you_mean(name, sorted({n for _, n, _ in found}))}")
+    indent = "  " if name is None and kind is None else ""
+    for plugin in [info.name for info in loaded.plugins]:
+        if indent:
+            typer.echo(f"{plugin}  ({next(i.module for i in loaded.plugins if i.name == plugin)})")
+        for k, n, _ in (f for f in shown if f[2] == plugin):
+            entry = loaded[k].get(n)
+            typer.echo(f"{indent}{k[:-1]} {n}: {entry.doc}" + ("" if indent else f"  (plugin {plugin})"))
+            keys = entry.reported_keys()
+            if keys:
+                typer.echo(f"{indent}    reports: {', '.join(keys)}")
+            for field, tp, default, help_ in describe(entry.config):
+                typer.echo(f"{indent}    {field}: {tp} = {default}  {help_}".rstrip())
+        for command in loaded.commands if indent else []:
+            if command.plugin == plugin:
+                typer.echo(f"  command {command.name}")
+    for failed, why in loaded.failed.items() if indent else []:
+        typer.echo(f"{failed}  FAILED: {why}")
 
 
 @app.command("eval")
@@ -249,18 +309,27 @@ def eval_run(
     check_device(device)
 
     def go() -> None:
-        from eblvm_core.evaluate import evaluator_tables, load_run, record, run_evaluators
+        import math
+
+        from eblvm_core.errors import TrainingDiverged
+        from eblvm_core.saved import evaluator_tables, load_run, record
 
         tables = evaluator_tables(evaluator) if evaluator else None
         err = lambda line: typer.echo(line, err=True)  # noqa: E731
         run = load_run(run_dir, checkpoint, device, override, seed, evals=tables, echo=err)
-        result = run_evaluators(run, echo=err)
+        result = run.evaluate(echo=err)
         for key, value in result.scalars.items():
             typer.echo(f"{key.removeprefix('eval/')}: {value:.6g}")
         for path in record(run, result):
             typer.echo(f"image: {path}")
         logged = f" and its [[log]] ({', '.join(s.kind for s in run.recipe.logs)})" if run.recipe.logs else ""
         typer.echo(f"step {run.step} ({run.checkpoint}); appended to {run.run_dir / 'metrics.jsonl'}{logged}")
+        bad = next(((k, v) for k, v in result.scalars.items() if not math.isfinite(v)), None)
+        if bad is not None:
+            raise TrainingDiverged(
+                f"{run.run_dir} step {run.step} ({run.checkpoint}): evaluation gave {bad[0]} = {bad[1]}: "
+                "the model has degenerated"
+            )
 
     guarded(go)
 
@@ -299,16 +368,23 @@ def sample(
         fail(f"--out {out}: name an image file such as samples.png; the raw samples are written beside it (--raw)")
 
     def go() -> None:
+        import torch
         from torchvision.utils import save_image
 
-        from eblvm_core.evaluate import load_run, sample_run, samples_image, save_samples
+        from eblvm_core.errors import TrainingDiverged
+        from eblvm_core.files import output_file
+        from eblvm_core.saved import load_run, sample_run, samples_image, save_samples
 
         run = load_run(run_dir, checkpoint, device, override, seed)
+        path = output_file(out or run.run_dir / "samples.png", "samples")
         samples, image, source = sample_run(run, n, sampler)
+        if not bool(torch.isfinite(samples).all()):
+            raise TrainingDiverged(
+                f"{run.run_dir} step {run.step} ({run.checkpoint}): the sampler {source} drew non-finite samples: "
+                "the model has degenerated; nothing was written"
+            )
         if scale is not None:
             image = samples_image(samples, run.parts.data, scale)
-        path = out or run.run_dir / "samples.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
         save_image(image, path)
         values = save_samples(samples, path, raw)
         typer.echo(f"{n} samples (step {run.step}, sampler {source}) -> {path}, {values}")
@@ -316,39 +392,45 @@ def sample(
     guarded(go)
 
 
-def _add_command(fn: Callable[..., None], name: str | None = None) -> None:
-    app.command(name or fn.__name__.replace("_", "-"))(fn)
+EBLVM_COMMANDS = frozenset(command.name or command.callback.__name__ for command in app.registered_commands)
 
 
-experiments.register_commands(register=_add_command)  # eblvm's own commands of many runs (compare)
+def add_plugin_commands(echo: Callable[[str], None] = lambda line: typer.echo(line, err=True)) -> None:
+    """Add the commands plugins register to the app (once); one that would shadow one of eblvm's
+    own, or one another plugin registered first, is refused with a line through ``echo``."""
+    from eblvm_core.plugins import load
+
+    taken = {command.name or command.callback.__name__ for command in app.registered_commands}
+    owners: dict[str, str] = {}
+    for command in load().commands:
+        name, plugin = command.name, command.plugin
+        if name in EBLVM_COMMANDS:
+            echo(f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored")
+        elif name in owners:
+            echo(
+                f"eblvm: plugin '{plugin}' registers a command '{name}', which plugin '{owners[name]}' registered first; ignored"
+            )
+        else:
+            owners[name] = plugin
+            if name not in taken:
+                app.command(name, **command.settings)(command.fn)
 
 
 def main() -> None:
     """The ``eblvm`` entry point. Plugins (and torch) load only for commands that need them, so
-    ``eblvm --help`` and ``eblvm <command> --help`` start fast; a plugin command that would
-    shadow a built-in one, or one another plugin registered first, is refused."""
-    builtin = {command.name or command.callback.__name__ for command in app.registered_commands}
-    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
-    if command is not None and command not in builtin:
-        from eblvm_core.plugins import BUILTIN, load
+    ``eblvm --help`` and ``eblvm <command> --help`` of eblvm's own commands start fast; a plugin
+    command that would shadow one of eblvm's own, or one another plugin registered first, is refused."""
+    from eblvm_core.plugins import check_pins
 
-        owners: dict[str, str] = {}
-        for name, fn, plugin in load().commands:
-            if plugin in BUILTIN:
-                continue  # eblvm's own, registered with the app
-            if name in builtin:
-                typer.echo(
-                    f"eblvm: plugin '{plugin}' registers a command '{name}', which is eblvm's own; ignored", err=True
-                )
-            elif name in owners:
-                typer.echo(
-                    f"eblvm: plugin '{plugin}' registers a command '{name}', which plugin '{owners[name]}' "
-                    "registered first; ignored",
-                    err=True,
-                )
-            else:
-                owners[name] = plugin
-                app.command(name)(fn)
+    command = next((arg for arg in sys.argv[1:] if not arg.startswith("-")), None)
+    if command is not None:
+        try:
+            check_pins()
+        except EblvmError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+    if command is not None and command not in EBLVM_COMMANDS:
+        add_plugin_commands()
     try:
         app()
     except SystemExit as exc:

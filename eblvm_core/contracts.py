@@ -10,7 +10,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -257,18 +257,23 @@ class Estimator:
     ``TrainingRole`` whose ``update(loss)`` is the one way its parameters change; the trainer
     checkpoints, restores, NaN-checks, schedules, averages and logs every role the same way
     (``lr/<role>``, ``grad_norm/<role>``). ``precisions`` lists the ``[run] precision`` values it
-    supports (fp32 only unless a test shows more is safe). ``step`` returns metrics as floats or
+    supports (fp32 only unless a test shows more is safe), ``precision_note`` why not more (said
+    when a recipe asks for another). ``step`` returns metrics as floats or
     0-d tensors (tensors avoid a host synchronisation per step); the key ``loss`` is the training
     loss the trainer watches for NaN/Inf. Extra state to checkpoint (persistent chains, counters)
     goes through ``state_dict`` / ``load_state_dict``. ``graph_safe`` declares that on a GPU the
     step may be captured once in a CUDA graph and replayed (``eblvm_core.graphs``): it launches
     the same kernels on same-shaped tensors every step, never reads a device value on the host,
     returns only tensors, and changes its state (parameters, optimizer moments, buffers) in place.
+    The same makes it compilable on a CPU (``eblvm_core.compiled``); ``not_graph_safe`` says why a
+    step is not, in the log line of a run that trains it eagerly.
     """
 
     roles: tuple[str, ...] = ("model",)
     precisions: tuple[str, ...] = ("fp32",)
+    precision_note: str = ""
     graph_safe: bool = False
+    not_graph_safe: str = "the estimator does not declare its step graph-safe"
 
     def step(self, batch: Tensor) -> dict[str, float | Tensor]:
         """batch (B, *event_shape) -> metrics; updates parameters through its roles' ``update``."""
@@ -382,13 +387,45 @@ class EvalResult:
         return cls(scalars={name: float(values.mean()), f"{name}_stderr": stderr})
 
 
-@runtime_checkable
-class Evaluator(Protocol):
-    """Evaluates the run's live parts. An evaluator may also carry ``reports``: the scalar keys
-    it returns (``validate`` checks ``[run] select_metric`` against them before training)."""
+class Evaluator:
+    """Evaluates the run's live parts: ``evaluator(parts) -> EvalResult`` (model, posterior, data,
+    device...). An evaluator factory returns an instance of a subclass, or a plain function made
+    one by ``evaluator``; a function returned as it is works too, without what this class declares.
+
+    ``reports`` are the scalar keys it returns with the options it was built with (None: those its
+    registration declares); ``validate`` checks ``[run] select_metric`` against them. ``announce``
+    is a line printed before it starts, for an evaluation that takes long."""
+
+    reports: tuple[str, ...] | None = None
+    announce: str | None = None
 
     def __call__(self, parts: Any) -> EvalResult:
-        """Evaluate the run's live parts (model, posterior, data, device...)."""
+        raise NotImplementedError
+
+
+class FunctionEvaluator(Evaluator):
+    """A function ``parts -> EvalResult`` as an ``Evaluator`` (``evaluator``)."""
+
+    def __init__(self, fn: Callable[[Any], EvalResult], reports: Iterable[str] | None, announce: str | None):
+        self.fn, self.announce = fn, announce
+        self.reports = None if reports is None else tuple(reports)
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, parts: Any) -> EvalResult:
+        return self.fn(parts)
+
+
+def evaluator(
+    fn: Callable[[Any], EvalResult], *, reports: Iterable[str] | None = None, announce: str | None = None
+) -> Evaluator:
+    """The function ``fn`` (parts -> EvalResult) as an ``Evaluator`` that returns the scalar keys
+    ``reports`` and prints ``announce`` before it starts."""
+    return FunctionEvaluator(fn, reports, announce)
+
+
+def reporting(keys: Iterable[str]) -> Callable[[Callable[[Any], EvalResult]], Evaluator]:
+    """Decorator for an evaluate function: the ``Evaluator`` that returns the scalar keys ``keys``."""
+    return lambda fn: evaluator(fn, reports=keys)
 
 
 @contextlib.contextmanager
@@ -410,16 +447,6 @@ def evaluation_mode(networks: Iterable[nn.Module]) -> Iterator[None]:
             with torch.no_grad():
                 for b, value in zip(net.buffers(), kept):
                     b.copy_(value)
-
-
-def reporting(keys: Any) -> Callable[[Callable[..., EvalResult]], Callable[..., EvalResult]]:
-    """Decorator for an evaluate function: declares the scalar keys it reports (``reports``)."""
-
-    def mark(fn: Callable[..., EvalResult]) -> Callable[..., EvalResult]:
-        fn.reports = tuple(keys)  # type: ignore[attr-defined]
-        return fn
-
-    return mark
 
 
 class Schedule:
@@ -474,13 +501,15 @@ class Parts:
     posterior, generator, objective, divergence, sampler, then the estimator.
 
     The part of recipe section ``[name]`` is ``parts.name`` (None when the recipe has no such
-    section); ``parts.need(name, section)`` returns it or raises the ConfigError that names the
-    section that needed it. ``role_factories`` maps a role to a factory params -> TrainingRole
-    (the builder makes one per ``[optim.<role>]``); parts built by hand may give
-    ``optimizer_factories`` (params -> torch optimizer) instead; ``roles`` holds the roles made so
-    far by ``make_role``.
-    ``dry_run`` is true while ``eblvm validate`` builds the recipe (no training: a data set whose
-    files are absent may return ``DataSplits.stand_in`` after ``warn``-ing).
+    section); a factory sees those built before it. ``parts.need(name, section)`` returns one or
+    raises the ConfigError that names the section that needed it. ``role_factories`` maps a role
+    to a factory params -> TrainingRole (the builder makes one per ``[optim.<role>]``); parts built
+    by hand may give ``optimizer_factories`` (params -> torch optimizer) instead; ``roles`` holds
+    the roles made so far by ``make_role``. ``roles_from_recipe`` (the builder's) makes a role
+    without a factory an error the builder reports. ``registries`` are those the run is built
+    from; ``batch_size`` is [run] batch_size, the global batch. ``dry_run`` is true while ``eblvm
+    validate`` builds the recipe (no training: a data set whose files are absent may return
+    ``DataSplits.stand_in`` after ``warn``-ing).
     """
 
     def __init__(
@@ -491,6 +520,11 @@ class Parts:
         optimizer_factories: dict[str, Callable[..., torch.optim.Optimizer]] | None = None,
         run_dir: Any = None,
         dry_run: bool = False,
+        *,
+        registries: Mapping[str, Registry] | None = None,
+        batch_size: int | None = None,
+        roles_from_recipe: bool = False,
+        warnings: list[str] | None = None,
         **components: Any,
     ):
         unknown = set(components) - set(SECTION_KINDS)
@@ -499,12 +533,12 @@ class Parts:
         self.device, self.dtype, self.run_dir, self.dry_run = device, dtype, run_dir, dry_run
         self.role_factories = dict(role_factories or {})
         self.optimizer_factories = dict(optimizer_factories or {})
-        self.registries: Mapping[str, Registry] | None = None  # handed in by the builder
+        self.registries = registries
+        self.batch_size = batch_size
+        self.roles_from_recipe = roles_from_recipe
         self.roles: dict[str, TrainingRole] = {}
-        self.strict_roles = False  # set by the builder: a role without [optim.<role>] is then an error
-        self.batch_size: int | None = None  # set by the builder: [run] batch_size, the global batch
         self.missing_roles: list[str] = []
-        self.warnings: list[str] = []
+        self.warnings: list[str] = [] if warnings is None else warnings
         self.components: dict[str, Any] = dict(components)
 
     def __getattr__(self, name: str) -> Any:
@@ -518,13 +552,16 @@ class Parts:
         else:
             object.__setattr__(self, name, value)
 
-    def evolve(self, **changes: Any) -> Parts:
+    def evolve(self, *, roles_from_recipe: bool | None = None, **changes: Any) -> Parts:
         """A shallow copy with some parts replaced (e.g. a private copy of the posterior), whose
-        ``make_role`` makes roles of its own (from the same factories)."""
+        ``make_role`` makes roles of its own (from the same factories; ``roles_from_recipe=False``:
+        Adam at 1e-3 for a role without one)."""
         other = copy.copy(self)
         object.__setattr__(other, "components", {**self.components})
         object.__setattr__(other, "roles", {})
         object.__setattr__(other, "missing_roles", [])
+        if roles_from_recipe is not None:
+            object.__setattr__(other, "roles_from_recipe", roles_from_recipe)
         for name, value in changes.items():
             setattr(other, name, value)
         return other
@@ -538,12 +575,12 @@ class Parts:
         holds the last one made.
 
         A role with neither factory gets Adam at 1e-3: outside a recipe (parts built by hand) that
-        is the default; in a recipe (``strict_roles``) the builder then reports the missing section.
+        is the default; in a recipe (``roles_from_recipe``) the builder then reports the missing section.
         """
         if role in self.role_factories:
             made = self.role_factories[role](params)
         else:
-            if self.strict_roles:
+            if self.roles_from_recipe:
                 self.missing_roles.append(role)
             make_optimizer = self.optimizer_factories.get(role, lambda p: torch.optim.Adam(p, lr=1e-3))
             made = TrainingRole(role, make_optimizer(params))

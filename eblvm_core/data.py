@@ -150,6 +150,11 @@ class Batches:
         self._cursor = (epoch, pos + 1)
         return batch, self._cursor
 
+    def example(self) -> Tensor:
+        """A batch of zeros shaped and typed as ``next``'s (to trace a step on), drawing nothing."""
+        per_rank = self.shards.batch_size // self.shards.world_size
+        return torch.zeros(per_rank, *self.data.event_shape, dtype=self.dtype, device=self.device)
+
     def next(self) -> Tensor:
         """The next batch of this rank: (B/W, *event_shape), on the device, in the run's dtype (the
         one ``prefetch`` prepared, if it did)."""

@@ -47,18 +47,13 @@ def world_size() -> int:
 
 @contextlib.contextmanager
 def process_group(device: torch.device) -> Iterator[torch.device]:
-    """Under torchrun (``WORLD_SIZE`` in the environment) join the process group for the block and
-    yield this rank's device: NCCL with ``cuda:LOCAL_RANK`` for a CUDA device, gloo on the CPU.
-    Otherwise, or when a process group exists already, yield ``device`` unchanged."""
+    """Under torchrun (``WORLD_SIZE`` in the environment) join the process group for the block on
+    this rank's ``device`` (the plan's: cpu, or cuda:LOCAL_RANK): NCCL on a GPU, gloo on the CPU.
+    Otherwise, or when a process group exists already, do nothing."""
     if "WORLD_SIZE" not in os.environ or dist.is_initialized():
         yield device
         return
-    if device.type not in ("cpu", "cuda"):
-        from eblvm_core.errors import ConfigError
-
-        raise ConfigError("run", "device", f"several processes need cpu or cuda, not {device.type}")
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)

@@ -2,8 +2,8 @@
 
 A small model's step on a GPU is hundreds of tiny kernels, and the host takes longer to launch
 them one by one than the GPU takes to run them; a captured graph launches them all at once.
-``graph_refusal`` says why a run's step cannot be captured (None when it can); ``GraphedStep``
-wraps the estimator's step: its first WARMUP_STEPS calls run eagerly on a side stream (capture
+The plan says whether a run's step is captured (``plan.graph_verdict``); ``GraphedStep`` wraps
+the estimator's step: its first WARMUP_STEPS calls run eagerly on a side stream (capture
 needs state that is created lazily, such as Adam's moments, to exist already), the next call
 captures the step on a static copy of its batch, and every call from then on copies its batch
 into that copy and replays the graph. Random numbers come from the default CUDA generator,
@@ -22,38 +22,17 @@ import torch
 from torch import Tensor
 
 from eblvm_core.optim import RateTensors
-from eblvm_core.roles import Precision, TrainingRole
+from eblvm_core.roles import TrainingRole
 
 WARMUP_STEPS = 3
 Step = Callable[[Tensor], dict[str, Tensor]]
 
 
-def graph_refusal(
-    graph_safe: bool,
-    roles: Mapping[str, TrainingRole],
-    device: torch.device,
-    world: int,
-    precision: Precision,
-    enabled: bool = True,
-) -> str | None:
-    """Why a training step cannot be captured in a CUDA graph, or None when it can: ``graph_safe``
-    is the estimator's declaration, ``roles`` what it trains. A scheduled rate is read from a device
-    tensor (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD kernels
-    read a tensor rate on the host, so a scheduled SGD must be the fused one (on CUDA ``optim.sgd``
-    makes it so). A bf16 step is captured with its autocast casts (``Precision.autocast`` keeps no
-    cache of them), so each replay casts the weights of that step. ``enabled`` is the recipe's
-    ``[run] cuda_graph``."""
-    if not enabled:
-        return "[run] cuda_graph = false"
-    if device.type != "cuda":
-        return f"the run is on {device.type}, not a CUDA device"
-    if world > 1:
-        return "several processes train together (their collectives are not captured)"
-    refusal = precision.graph_refusal()
-    if refusal is not None:
-        return refusal
-    if not graph_safe:
-        return "the estimator does not declare its step graph-safe"
+def optimizer_refusal(roles: Mapping[str, TrainingRole]) -> str | None:
+    """Why the roles' optimizers cannot be captured, or None. The plan admits the bundled Adam and
+    SGD by kind (``plan.graph_verdict``); these are the instances: a scheduled rate is read from a
+    device tensor (``RateTensors``), which the fused Adam and SGD kernels take; torch's other SGD
+    kernels read a tensor rate on the host, so a scheduled SGD must be the fused one."""
     for name, role in roles.items():
         optimizer = role.optimizer
         fused = all(group.get("fused") for group in optimizer.param_groups)
@@ -68,28 +47,6 @@ def graph_refusal(
                 )
         else:
             return f"the optimizer of role '{name}' ({type(optimizer).__name__}) is not known to be capturable"
-    return None
-
-
-CAPTURABLE_OPTIMIZERS = ("adam", "sgd")  # the bundled optimizers, fused (so capturable) on a CUDA device
-
-
-def recipe_graph_refusal(
-    cuda_graph: bool, precision: Precision, graph_safe: bool, optimizers: Mapping[str, str]
-) -> str | None:
-    """What ``graph_refusal`` will say on a CUDA device in one process, read before anything is
-    built: from ``[run] cuda_graph``, the precision, the estimator's declaration and each role's
-    optimizer kind (by role); None when the step will be captured."""
-    if not cuda_graph:
-        return "[run] cuda_graph = false"
-    refusal = precision.graph_refusal()
-    if refusal is not None:
-        return refusal
-    if not graph_safe:
-        return "the estimator does not declare its step graph-safe"
-    for name, kind in optimizers.items():
-        if kind not in CAPTURABLE_OPTIMIZERS:
-            return f"the optimizer of role '{name}' ({kind}) is not known to be capturable"
     return None
 
 
@@ -123,6 +80,9 @@ class GraphedStep:
         self.static_batch: Tensor | None = None
         self.static_metrics: dict[str, Tensor] = {}
         self.refusal: str | None = None
+        refusal = optimizer_refusal(roles)
+        if refusal is not None:
+            self.refuse(refusal)
 
     def __call__(self, batch: Tensor) -> dict[str, Tensor]:
         if self.refusal is not None:

@@ -13,8 +13,7 @@ from torch import Tensor
 
 from eblvm_core import distributed
 from eblvm_core.errors import TrainingDiverged
-from eblvm_core.progress import StepSums
-from eblvm_core.state import RunState
+from eblvm_core.state import RunState, StepSums
 
 NON_FINITE = re.compile(r"\bnan\b|\binf\b|p_in|finite", re.IGNORECASE)  # what a step fails with on NaN/Inf
 
@@ -34,8 +33,18 @@ class Guard:
         elif last_saved[0] == now:
             kept = f"the checkpoint {last_saved[1]} holds this step's parameters"
         else:
-            kept = f"last good checkpoint: {last_saved[1]} (step {last_saved[0]})"
+            kept = f"last good checkpoint: {last_saved[1]} (step {last_saved[0]}; {self.evaluated(last_saved[0])})"
         return TrainingDiverged(f"step {now if step is None else step}: {what}; run stopped, {kept}")
+
+    def evaluated(self, step: int) -> str:
+        """Whether the checkpoint at ``step`` was evaluated: its parameters are finite (the guard
+        checked them) but only an evaluation says the model has not degenerated."""
+        last = self.state.evaluated_step
+        if last == step:
+            return "its evaluation was finite"
+        if last is None:
+            return "never evaluated"
+        return f"not evaluated: the last evaluation, finite, was at step {last}"
 
     def nonfinite_parameter(self) -> str | None:
         """The name of a NaN or infinite trained parameter (any role) or network buffer, else None."""

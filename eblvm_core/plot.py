@@ -15,7 +15,7 @@ neighbour), by default until each image is at least ``MIN_SIDE`` pixels on its s
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -32,10 +32,6 @@ BOUNDS_COLOUR = (214, 39, 40)  # the data's bounds, and points beyond a scatter'
 POINT_COLOUR = (31, 61, 140)  # the points of a scatter of samples
 BOX_LINE = 2 * 72 / DPI  # the bounds' line: 2 pixels wide, in points
 MIN_SIDE = 64  # pixels on the shorter side of each image of a grid, unless a scale is given
-MIN_PANEL = 200  # pixels on the side of a density panel: small grids are upscaled to at least this
-# the density figure's margins in pixels: tick labels and axis label on the left and below, titles
-# above, between the panels, and the colour bar with its tick labels and label
-LEFT, TOP, BOTTOM, GAP, BAR_GAP, BAR, BAR_RIGHT = 64, 34, 52, 24, 18, 16, 78
 
 
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
@@ -107,61 +103,12 @@ def image_grid(images: Tensor, nrow: int, padding: int = 2, scale: int | None = 
 # ---- 2-D densities and scatters ---------------------------------------------------------------
 
 
-def density_layout(n_panels: int, n: int) -> tuple[list[Rect], Rect, tuple[int, int]]:
-    """Where ``densities`` puts ``n_panels`` square panels of n × n grid cells: their pixel
-    rectangles (each cell a square of side // n pixels, side ≥ MIN_PANEL), the colour bar's, and
-    the figure's (width, height)."""
-    side = n * max(1, math.ceil(MIN_PANEL / n))
-    panels = [(LEFT + i * (side + GAP), TOP, side, side) for i in range(n_panels)]
-    bar = (LEFT + n_panels * side + (n_panels - 1) * GAP + BAR_GAP, TOP, BAR, side)
-    return panels, bar, (bar[0] + BAR + BAR_RIGHT, TOP + side + BOTTOM)
-
-
-def densities(
-    panels: list[tuple[str, Tensor]],
-    view: Box,
-    bounds: Box | None = None,
-    high: float = 1.0,
-    label: str = "density",
-) -> Figure:
-    """Titled densities on an n × n grid over ``view`` (each (n_x, n_y), x along dim 0) side by side
-    on one colour scale (viridis) from 0 to ``high`` (above: the top colour, and a triangle atop
-    the colour bar), cell by cell, with axes in data units (y upwards), the data's ``bounds`` as a
-    red box, and a colour bar named ``label``; laid out by ``density_layout``. Returns the Figure."""
+def bounds_box(ax: Axes, bounds: Box) -> None:
+    """The data's bounds ((x_lo, x_hi), (y_lo, y_hi)) drawn on ``ax`` as a red box, in data units."""
     from matplotlib.patches import Rectangle
 
-    rects, bar, size = density_layout(len(panels), panels[0][1].shape[0])
-    fig = figure(*size)
-    (x0, x1), (y0, y1) = view
-    image = None
-    for i, ((title, values), rect) in enumerate(zip(panels, rects)):
-        ax = axes_at(fig, rect)
-        image = ax.imshow(
-            values.detach().T.float().cpu().numpy(),
-            origin="lower",
-            extent=(x0, x1, y0, y1),
-            cmap="viridis",
-            vmin=0.0,
-            vmax=high,
-            interpolation="nearest",
-            aspect="auto",
-        )
-        ax.set_title(title)
-        ax.set_xlabel("v₁")
-        if i == 0:
-            ax.set_ylabel("v₂")
-        else:
-            ax.tick_params(labelleft=False)
-        if bounds is not None:
-            (bx0, bx1), (by0, by1) = bounds
-            ax.add_patch(
-                Rectangle(
-                    (bx0, by0), bx1 - bx0, by1 - by0, fill=False, edgecolor=_rgb(BOUNDS_COLOUR), linewidth=BOX_LINE
-                )
-            )
-    above = any(float(values.max()) > high for _, values in panels)
-    fig.colorbar(image, cax=axes_at(fig, bar), label=label, extend="max" if above else "neither")
-    return fig
+    (x0, x1), (y0, y1) = bounds
+    ax.add_patch(Rectangle((x0, y0), x1 - x0, y1 - y0, fill=False, edgecolor=_rgb(BOUNDS_COLOUR), linewidth=BOX_LINE))
 
 
 def scatter_view(points: Tensor, bounds: Box | None, reach: float = 0.5) -> Box:
@@ -200,10 +147,7 @@ def scatter(
     ax.scatter(inside[:, 0], inside[:, 1], s=dot, color=_rgb(POINT_COLOUR), linewidths=0)
     handles.append(Line2D([], [], linestyle="", marker="o", color=_rgb(POINT_COLOUR), label="samples"))
     if bounds is not None:
-        (bx0, bx1), (by0, by1) = bounds
-        ax.add_patch(
-            Rectangle((bx0, by0), bx1 - bx0, by1 - by0, fill=False, edgecolor=_rgb(BOUNDS_COLOUR), linewidth=BOX_LINE)
-        )
+        bounds_box(ax, bounds)
         handles.append(Rectangle((0, 0), 1, 1, fill=False, edgecolor=_rgb(BOUNDS_COLOUR), label="data bounds"))
     n_out = int(outside.sum())
     if n_out:
@@ -225,129 +169,6 @@ def scatter(
     ax.set_ylabel("v₂")
     ax.set_title(f"{len(points)} samples")
     fig.legend(handles=handles, loc="outside lower center", ncols=min(2, len(handles)), frameon=False)
-    return fig
-
-
-def embedding(points: Tensor, labels: Tensor, title: str, axis_name: str, size: int = 480) -> Figure:
-    """2-D points (n, 2) coloured by their class ``labels`` (n,), with axes "<axis_name> 1/2", a title
-    and a legend of the classes (a colour bar beyond 20 classes). Returns the Figure (``size``
-    pixels high)."""
-    import matplotlib
-
-    points, labels = points.detach().float().cpu(), labels.detach().cpu()
-    classes = sorted(int(c) for c in labels.unique())
-    fig = figure(size + 120, size, layout="constrained")
-    ax = fig.add_subplot()
-    dot = 12 if len(points) <= 2000 else 4
-    if len(classes) <= 20:
-        colours = matplotlib.colormaps["tab10" if len(classes) <= 10 else "tab20"]
-        for i, c in enumerate(classes):
-            chosen = points[labels == c].numpy()
-            ax.scatter(chosen[:, 0], chosen[:, 1], s=dot, color=colours(i), linewidths=0, label=str(c))
-        fig.legend(title="class", loc="outside right upper", markerscale=2, frameon=False)
-    else:
-        drawn = ax.scatter(points[:, 0], points[:, 1], c=labels.numpy(), s=dot, cmap="viridis", linewidths=0)
-        fig.colorbar(drawn, ax=ax, label="class")
-    ax.set_xlabel(f"{axis_name} 1")
-    ax.set_ylabel(f"{axis_name} 2")
-    ax.set_title(title)
-    return fig
-
-
-# ---- comparisons -----------------------------------------------------------------------------
-
-PANEL_HEIGHT = 160  # images of a comparison shorter than this are upscaled (whole factors)
-PANELS_WIDTH = 2000  # pixels: a comparison puts as many images in a row as fit, at most 4
-CURVES = (960, 440)  # pixels of the learning-curve plot: (least width, height)
-
-
-def learning_curves(
-    ax: Axes, curves: dict[str, list[tuple[int, float]]], metric: str, axis: tuple[float, float]
-) -> None:
-    """Each method's curve "<metric> vs step" on ``ax``, the value axis fixed to ``axis`` (low,
-    high); values beyond it are drawn as open triangles on its edge, pointing the way they left,
-    and counted under the title; a legend names the methods."""
-    import matplotlib
-
-    lo, hi = axis
-    colours = matplotlib.colormaps["tab10" if len(curves) <= 10 else "tab20"]
-    clipped = {"below": 0, "above": 0}
-    for i, (name, curve) in enumerate(curves.items()):
-        colour = colours(i % colours.N)
-        steps = [s for s, _ in curve]
-        values = [min(max(v, lo), hi) for _, v in curve]
-        ax.plot(steps, values, color=colour, linewidth=1.8, marker="o", markersize=3.5, label=name)
-        for where, marker, test in (("below", "v", lambda v: v < lo), ("above", "^", lambda v: v > hi)):
-            out = [s for s, v in curve if test(v)]
-            if out:
-                clipped[where] += len(out)
-                ax.plot(
-                    out,
-                    [lo if where == "below" else hi] * len(out),
-                    linestyle="",
-                    marker=marker,
-                    markersize=9,
-                    markerfacecolor="white",
-                    markeredgecolor=colour,
-                    markeredgewidth=1.5,
-                    clip_on=False,
-                    zorder=3,
-                )
-    steps = [s for c in curves.values() for s, _ in c]
-    margin = 0.02 * (max(steps) - min(steps)) or 1
-    ax.set_xlim(min(steps) - margin, max(steps) + margin)
-    ax.set_ylim(lo, hi)
-    ax.set_xlabel("step")
-    ax.set_ylabel(metric.removeprefix("eval/"))
-    title = f"{metric.removeprefix('eval/')} vs step"
-    if clipped["below"] or clipped["above"]:
-        counts = ", ".join(f"{n} {where}" for where, n in clipped.items() if n)
-        title += f"\nclipped (triangles on the edge): {counts} the axis"
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False, borderaxespad=0)
-
-
-def comparison(
-    panels: list[tuple[str, Any]],
-    curves: dict[str, list[tuple[int, float]]] | None = None,
-    metric: str = "",
-    axis: tuple[float, float] | None = None,
-) -> Figure:
-    """Titled images (name, RGB array (H, W, 3) uint8) in rows at their own resolution (images
-    shorter than PANEL_HEIGHT upscaled by whole factors), above ``learning_curves`` of ``curves``
-    of ``metric`` on the value ``axis`` (low, high; needed with curves). Returns the Figure."""
-    import numpy as np
-
-    title_h, pad = 26, 12
-    scaled = []
-    for name, array in panels:
-        k = max(1, math.ceil(PANEL_HEIGHT / array.shape[0]))
-        scaled.append((name, np.repeat(np.repeat(array, k, 0), k, 1)))
-    cell = max((a.shape[1] for _, a in scaled), default=0) + pad
-    per_row = max(1, min(4, PANELS_WIDTH // max(cell, 1)))
-    rows = [scaled[i : i + per_row] for i in range(0, len(scaled), per_row)]
-    heights = [title_h + max(a.shape[0] for _, a in row) + pad for row in rows]
-    width = max(pad + cell * min(per_row, len(scaled)) if scaled else 0, CURVES[0] if curves else 0)
-    if curves:  # the legend's room: its longest method name, its line sample and pads, and
-        # its offset from the axes (learning_curves: 2% of the axes' width)
-        legend = max(200, 70 + widest_text(list(curves)))
-        width = max(width, 90 + 400 + legend)
-        legend += math.ceil(0.02 * (width - 90 - legend))
-    height = sum(heights) + (CURVES[1] if curves else 0)
-    fig = figure(width, height)
-    top = 0
-    for row, row_height in zip(rows, heights):
-        for j, (name, array) in enumerate(row):
-            left = pad + j * cell
-            fig.text(left / fig.bbox.width, 1 - (top + 6) / fig.bbox.height, name, va="top", fontsize=12, weight="bold")
-            fig.figimage(array, xo=left, yo=height - top - title_h - array.shape[0], origin="upper")
-        top += row_height
-    if curves:
-        # room for tick labels and the axis label (left), the title and clip note (top), the
-        # step labels (bottom) and the legend (right)
-        ax = axes_at(fig, (90, top + 60, width - 90 - legend, CURVES[1] - 60 - 56))
-        learning_curves(ax, curves, metric, axis)
     return fig
 
 

@@ -24,14 +24,12 @@ import attrs
 import pluggy
 
 from eblvm_core import hookspecs
+from eblvm_core.errors import EblvmError
 from eblvm_core.registry import KINDS, Registry, did_you_mean
 
 GROUP = "eblvm"
 DISTRIBUTION = "eblvm"  # the distribution whose entry points are the bundled plugins
-BUILTIN = {
-    "core": "eblvm_core.optim",
-    "experiments": "eblvm_core.experiments",
-}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
+BUILTIN = {"core": "eblvm_core.optim"}  # always loaded, whatever EBLVM_LOAD_PLUGINS says
 
 
 def checkout() -> Path | None:
@@ -70,6 +68,17 @@ class PluginInfo:
     components: dict[str, list[str]] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class Command:
+    """A command a plugin registers: its name, the typer function, the plugin, and the settings
+    ``app.command`` takes for it (``context_settings``, ``epilog``, ``help``...)."""
+
+    name: str
+    fn: Callable[..., Any]
+    plugin: str
+    settings: dict[str, Any] = attrs.field(factory=dict)
+
+
 @attrs.define
 class Loaded:
     """Registries per kind, what each plugin registered, the plugins that failed, and plugin commands."""
@@ -77,7 +86,7 @@ class Loaded:
     registries: dict[str, Registry]
     plugins: list[PluginInfo]
     failed: dict[str, str]
-    commands: list[tuple[str, Callable[..., Any], str]]
+    commands: list[Command]
 
     def __getitem__(self, kind: str) -> Registry:
         return self.registries[kind]
@@ -93,12 +102,23 @@ def _wanted(names: list[str]) -> set[str]:
     return {n.strip() for n in pinned.split(",") if n.strip()}
 
 
-def _candidates(failed: dict[str, str]) -> list[tuple[str, str, Callable[[], Any]]]:
+def check_pins() -> None:
+    """A plugin EBLVM_LOAD_PLUGINS pins that is not installed is an EblvmError: one line, rather
+    than the missing components of every recipe that needs it (read from the installed
+    distributions' metadata, nothing imported)."""
+    eps = sorted(ep.name for ep in entry_points(group=GROUP))
+    missing = sorted(_wanted(eps) - set(eps))
+    if missing:
+        names = ", ".join(f"'{name}'" for name in missing)
+        hint = did_you_mean(missing[0], eps)
+        raise EblvmError(f"EBLVM_LOAD_PLUGINS names {names}, not installed{hint}; installed plugins: {', '.join(eps)}")
+
+
+def _candidates() -> list[tuple[str, str, Callable[[], Any]]]:
     """(name, module path, loader) of every plugin to load: the core, bundled, third-party, extra modules."""
+    check_pins()
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
     wanted = _wanted(list(eps))
-    for name in sorted(wanted - set(eps)):
-        failed[name] = "named in EBLVM_LOAD_PLUGINS but not installed"
 
     def bundled_first(name: str) -> tuple[bool, str]:
         dist = getattr(eps[name], "dist", None)
@@ -132,7 +152,7 @@ def load(force: bool = False, warn: bool = True) -> Loaded:
     pm.add_hookspecs(hookspecs)
     failed: dict[str, str] = {}
     modules: dict[str, str] = {}
-    for name, module_path, loader in _candidates(failed):
+    for name, module_path, loader in _candidates():
         try:
             pm.register(loader(), name=name)
             pm.check_pending()  # a hook name that matches no hookspec (a typo)
@@ -147,7 +167,7 @@ def load(force: bool = False, warn: bool = True) -> Loaded:
 
     registries = {kind.name: Registry(kind.name) for kind in KINDS}
     infos = {name: PluginInfo(name, path) for name, path in modules.items()}
-    commands: list[tuple[str, Callable[..., Any], str]] = []
+    commands: list[Command] = []
     hooks = [(kind.name, getattr(pm.hook, f"register_{kind.name}")) for kind in KINDS]
     for kind, caller in hooks:
         for impl in caller.get_hookimpls():  # in registration order: the core, bundled, third-party
@@ -169,8 +189,8 @@ def load(force: bool = False, warn: bool = True) -> Loaded:
     for impl in pm.hook.register_commands.get_hookimpls():
         if impl.plugin_name not in failed:
             impl.function(
-                register=lambda fn, name=None, _p=impl.plugin_name: commands.append(
-                    (name or fn.__name__.replace("_", "-"), fn, _p)
+                register=lambda fn, name=None, _p=impl.plugin_name, **settings: commands.append(
+                    Command(name or fn.__name__.replace("_", "-"), fn, _p, settings)
                 )
             )
     if warn:

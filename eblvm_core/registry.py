@@ -6,7 +6,7 @@ import difflib
 import inspect
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -48,6 +48,14 @@ KINDS: tuple[Kind, ...] = (
     Kind("loggers", "log", "Metric sinks (``Logger``); factories get ``(config, run_dir)``.", many=True),
     Kind("optimizers", None, "Optimizers; factories get ``(config, params)`` and return a torch optimizer."),
     Kind("schedules", None, "Learning-rate schedules (``Schedule``): a factor of the base rate per step."),
+    Kind(
+        "launchers", None, "Launchers (``Launcher``) of runs elsewhere than this process; factories get ``(config)``."
+    ),
+    Kind(
+        "spec_readers",
+        None,
+        "Readers of specs ``validate`` checks: ``reader(path, overrides) -> {name: Recipe} | None``.",
+    ),
 )
 KIND_NAMES = tuple(k.name for k in KINDS)
 SECTION_KINDS = {k.section: k for k in KINDS if k.section is not None}
@@ -60,18 +68,22 @@ class NoConfig:
 
 @attrs.frozen
 class Entry:
-    """One registered component: ``factory(config, parts)`` builds it.
-
-    ``doc`` is the first paragraph of the factory's docstring; ``reports`` the key templates of
-    its ``Reports:`` paragraph (None without one).
-    """
+    """One registered component of kind ``of_kind`` ("models", ...): ``factory(config, parts)``
+    builds it. ``doc`` is the first paragraph of the factory's docstring (what ``eblvm plugins``
+    shows); ``reports`` and the fields after it are what the plugin declared when it registered
+    the component (``Registry.add``)."""
 
     name: str
     factory: Callable[..., Any]
     config: type
     plugin: str
     doc: str
+    of_kind: str
     reports: tuple[str, ...] | None = None
+    requires: str | None = None
+    extra: str | None = None
+    install: str | None = None
+    default_for: tuple[str, ...] = ()
 
     def reported_keys(self, config: Any = None) -> tuple[str, ...] | None:
         """The declared keys, each ``{option}`` replaced by its value in ``config`` (default: the
@@ -98,27 +110,21 @@ def _default(field: attrs.Attribute) -> Any:
     return f"{{{field.name}}}" if default is attrs.NOTHING else default
 
 
-REPORTS = "Reports:"
-
-
-def read_docstring(text: str) -> tuple[str, tuple[str, ...] | None]:
-    """(first paragraph as one line, key templates of a ``Reports: key, key`` paragraph or None)."""
-    paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", inspect.cleandoc(text))]
-    reports = next((p.removeprefix(REPORTS) for p in paragraphs if p.startswith(REPORTS)), None)
-    keys = None if reports is None else tuple(k.strip() for k in reports.rstrip(".").split(",") if k.strip())
-    return paragraphs[0], keys
+def first_paragraph(text: str) -> str:
+    """A docstring's first paragraph as one line."""
+    return " ".join(re.split(r"\n\s*\n", inspect.cleandoc(text))[0].split())
 
 
 def _check_templates(keys: tuple[str, ...], config: type, what: str) -> None:
     """Refuse a key that holds a space or a ``{field}`` that is not an option of ``config``."""
     options = sorted(f.name for f in attrs.fields(config))
     for key in keys:
-        if " " in key:
-            raise TypeError(f"{what}: {REPORTS} key '{key}' holds a space (separate keys with commas)")
+        if not isinstance(key, str) or not key or " " in key:
+            raise TypeError(f"{what}: reported key {key!r} must be a non-empty string without spaces")
         for _text, field, _spec, _conversion in string.Formatter().parse(key):
             if field is not None and field not in options:
                 raise TypeError(
-                    f"{what}: {REPORTS} key '{key}' names {{{field}}}, not an option of "
+                    f"{what}: reported key '{key}' names {{{field}}}, not an option of "
                     f"{config.__name__}{did_you_mean(field, options)}"
                 )
 
@@ -143,8 +149,20 @@ class Registry:
         doc: str | None = None,
         *,
         plugin: str = "?",
+        reports: Sequence[str] | None = None,
+        requires: str | None = None,
+        extra: str | None = None,
+        install: str | None = None,
+        default_for: Sequence[str] = (),
     ) -> None:
-        """Register ``factory(config_instance, parts)`` under ``name`` with an attrs config class."""
+        """Register ``factory(config_instance, parts)`` under ``name`` with an attrs config class.
+
+        What a plugin may declare besides (each documented with its hook, ``hookspecs``):
+        ``reports``, an evaluator's scalar keys (``{option}`` stands for an option's value:
+        ``"{split}_loglik"``); ``requires``, a module the component needs that may be missing
+        (``validate`` refuses it in one line), with ``extra`` (eblvm's extra that brings it) or
+        ``install`` (the command that does); ``default_for``, the model kinds for which a sampler
+        is the one ``eblvm sample`` uses by default."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"{self.kind}: a component name must be a non-empty string, got {name!r}")
         if not attrs.has(config):
@@ -152,10 +170,13 @@ class Registry:
         if name in self._entries:
             other = self._entries[name].plugin
             raise ValueError(f"{self.kind} '{name}' registered twice (by {other} and {plugin})")
-        text, reports = read_docstring(doc or factory.__doc__ or "")
         if reports is not None:
+            reports = tuple(reports)
             _check_templates(reports, config, f"{self.kind} '{name}'")
-        self._entries[name] = Entry(name, factory, config, plugin, text, reports)
+        text = first_paragraph(doc or factory.__doc__ or "")
+        self._entries[name] = Entry(
+            name, factory, config, plugin, text, self.kind, reports, requires, extra, install, tuple(default_for)
+        )
 
     def withdraw(self, plugin: str) -> None:
         """Remove every component ``plugin`` registered (a plugin that failed part-way)."""

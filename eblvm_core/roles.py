@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.optim import optimizer as _torch_optimizer
 
 from eblvm_core import distributed
 
@@ -41,12 +40,6 @@ class Precision:
     def scaler(self) -> torch.amp.GradScaler | None:
         """A fresh gradient scaler for one role under fp16 (None otherwise)."""
         return torch.amp.GradScaler(self.device_type) if self.name == "fp16" else None
-
-    def graph_refusal(self) -> str | None:
-        """Why a step at this precision cannot be captured in a CUDA graph, or None."""
-        if self.name == "fp16":
-            return "precision fp16 scales the loss with a GradScaler, which reads its check for inf on the host"
-        return None
 
 
 class TrainingRole:
@@ -113,9 +106,44 @@ class TrainingRole:
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
-        elif not fused_adam_step_on_cpu(self.optimizer):
+        else:
             self.optimizer.step()
         return norm
+
+    def prepare_state(self) -> None:
+        """Create now what the first update creates lazily, the optimizer's state and the
+        gradient-norm statistics, with the values that update starts from and nothing stepped
+        changed: one optimizer step on zero gradients makes the state, then the parameters are put
+        back and the new state zeroed (a fresh Adam's moments and count; an SGD momentum buffer,
+        which its first step fills with the gradient, as zero plus the gradient). A compiled step
+        is traced once on this state (``compiled``)."""
+        params = [p for p in self.params if p.requires_grad]
+        fresh = [p for p in params if not self.optimizer.state.get(p)]
+        if fresh:
+            saved, grads = [p.detach().clone() for p in params], [p.grad for p in params]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+            with torch.no_grad():
+                for p, value, grad in zip(params, saved, grads):
+                    p.copy_(value)
+                    p.grad = grad
+                for p in fresh:
+                    for value in self.optimizer.state[p].values():
+                        if isinstance(value, Tensor):
+                            value.zero_()
+        if self._norms is None and params:
+            self._count_grad_norm(torch.zeros((), device=params[0].device))
+            self._norms[0].zero_()
+
+    def state_tensors(self) -> list[Tensor]:
+        """The tensors an update changes besides the parameters: the optimizer's state and the
+        gradient-norm statistics (their storage and the views the update adds to)."""
+        found = [v for state in self.optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+        if self._norms is not None:
+            stats, views, one = self._norms
+            found += [stats, *views, one]
+        return found
 
     def _count_grad_norm(self, norm: Tensor) -> None:
         """Add ``norm`` (0-d) and 1 to the running (sum, count), in one in-place operation on
@@ -194,17 +222,20 @@ class TrainingRole:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, and the scaler's and the average where the role has them."""
+        """The optimizer's state, and the scaler's, the average and the gradient-norm statistics
+        since the last log step where the role has them."""
         state: dict[str, Any] = {"optimizer": self.optimizer.state_dict()}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         if self.average is not None:
             state["ema"] = self.average
+        if self._norms is not None:
+            state["grad_norms"] = self._norms[0].detach().clone()  # (sum, count) since the last log step
         return state
 
     def load_state_dict(self, state: dict[str, Any], training: bool = True) -> None:
-        """Restore ``state_dict()``: the average always (evaluations use it), the optimizer and the
-        scaler only with ``training``."""
+        """Restore ``state_dict()``: the average always (evaluations use it), the optimizer, the
+        scaler and the gradient statistics only with ``training``."""
         if self.average is not None and "ema" in state:
             self.average = [v.to(p) for v, p in zip(state["ema"], self.average, strict=True)]
         if not training:
@@ -212,6 +243,10 @@ class TrainingRole:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+        if "grad_norms" in state:
+            stats = state["grad_norms"]
+            self._count_grad_norm(torch.zeros((), dtype=stats.dtype, device=stats.device))
+            self._norms[0].copy_(stats)
 
 
 @contextlib.contextmanager
@@ -224,92 +259,6 @@ def averaged(roles: Iterable[TrainingRole]) -> Iterator[None]:
 
 
 # ---- stepping -------------------------------------------------------------------------------------
-
-
-def fused_adam_step_on_cpu(optimizer: torch.optim.Optimizer) -> bool:
-    """``optimizer.step()`` of a fused ``torch.optim.Adam`` on the CPU, by its kernel directly.
-
-    ``Adam.step`` wraps the kernel (``torch._foreach_add_`` of the step counts, then
-    ``torch._fused_adam_``) in Python bookkeeping: a profiler range, the step hooks, state look-ups,
-    grouping by device and dtype. On a small model that costs several times the kernel (about 45
-    of 55 µs a call here, six calls per BiSM step). This calls the same kernel with the same
-    arguments on the same state, under ``no_grad`` as ``step`` runs, so the parameters and moments
-    are bit for bit those of ``step``. Returns False, having done nothing, unless all of these
-    hold: the optimizer is exactly ``torch.optim.Adam`` with no step hooks (its own or global) and
-    no instance-level ``step`` (an LR scheduler's wrapper); every group is fused, without amsgrad,
-    capturable, differentiable or decoupled weight decay, with numbers (not tensors) as
-    hyper-parameters; every parameter with a gradient is a dense CPU tensor of its group's one
-    dtype whose state exists (the first step goes through ``step``, which creates it); no grad
-    scaler is attached. CUDA steps always go through ``step`` (graph capture checks its flags there).
-    A torch whose private kernel is missing or takes other arguments gets the step counts put
-    back and False. ``benchmarks/bench_overhead.py`` checks the result against ``step``'s.
-    """
-    if (
-        type(optimizer) is not torch.optim.Adam
-        or "step" in optimizer.__dict__
-        or optimizer._optimizer_step_pre_hooks
-        or optimizer._optimizer_step_post_hooks
-        or _torch_optimizer._global_optimizer_pre_hooks
-        or _torch_optimizer._global_optimizer_post_hooks
-        or getattr(optimizer, "grad_scale", None) is not None
-        or getattr(optimizer, "found_inf", None) is not None
-    ):
-        return False
-    state = optimizer.state
-    calls = []
-    for group in optimizer.param_groups:
-        lr, (beta1, beta2), eps, decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        if (
-            not group["fused"]
-            or group["amsgrad"]
-            or group["capturable"]
-            or group["differentiable"]
-            or group.get("decoupled_weight_decay", False)
-            or not all(type(x) in (float, int) for x in (lr, beta1, beta2, eps, decay))
-        ):
-            return False
-        params, grads, avgs, avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            s = state.get(p)
-            if not s or not p.is_cpu or grad.is_sparse or (params and p.dtype != params[0].dtype):
-                return False
-            params.append(p)
-            grads.append(grad)
-            avgs.append(s["exp_avg"])
-            avg_sqs.append(s["exp_avg_sq"])
-            steps.append(s["step"])
-        if params:
-            calls.append((params, grads, avgs, avg_sqs, steps, lr, beta1, beta2, eps, decay, group["maximize"]))
-    with torch.no_grad():
-        for i, (params, grads, avgs, avg_sqs, steps, lr, beta1, beta2, eps, decay, maximize) in enumerate(calls):
-            torch._foreach_add_(steps, 1)
-            try:
-                torch._fused_adam_(
-                    params,
-                    grads,
-                    avgs,
-                    avg_sqs,
-                    [],
-                    steps,
-                    amsgrad=False,
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=decay,
-                    eps=eps,
-                    maximize=maximize,
-                    grad_scale=None,
-                    found_inf=None,
-                )
-            except (AttributeError, TypeError):  # a torch whose private kernel is named or called otherwise
-                torch._foreach_sub_(steps, 1)
-                if i:  # earlier groups are stepped: let torch step the rest, as it would have
-                    raise
-                return False
-    return True
 
 
 def total_norm(grads: list[Tensor]) -> Tensor:

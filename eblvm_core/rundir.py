@@ -263,10 +263,11 @@ def session(device: str, world: int, step: int, threads: int, command: str | Non
     """Provenance of this process's session on a run, starting at ``step``: the command as typed
     (``eblvm run --nproc-per-node N ...`` for the launch, not what each rank ran; ``command``
     when given, e.g. a Python call), versions, where it ran, and every plugin with its
-    distribution and version."""
+    distribution and version, and the plugins that failed to load with why."""
     import torch
 
     from eblvm_core import __version__
+    from eblvm_core.plugins import load
 
     return {
         "started": now(),
@@ -284,20 +285,38 @@ def session(device: str, world: int, step: int, threads: int, command: str | Non
         "threads": threads,
         "git": git_commit(),
         "plugins": plugin_versions(),
+        "plugins_failed": dict(load().failed),
     }
 
 
 class Provenance:
-    """``run.json``: {"sessions": [...]}, the first the run's start, each later one a resume."""
+    """``run.json``: {"sessions": [...]}, the first the run's start, each later one a resume.
+    ``damaged`` is why a run.json that exists could not be read (half-written, edited), else None:
+    ``start`` then moves it aside rather than replace what it recorded."""
 
     def __init__(self, run_dir: str | Path):
         self.path = Path(run_dir) / PROVENANCE
+        self.damaged: str | None = None
         try:
             self.data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             self.data = {"sessions": []}
+        except (OSError, ValueError) as exc:
+            self.data, self.damaged = {"sessions": []}, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if not isinstance(self.data, dict) or not isinstance(self.data.get("sessions"), list):
-            self.data = {"sessions": []}
+            self.data, self.damaged = {"sessions": []}, self.damaged or 'it holds no "sessions" list'
+
+    def move_damaged_aside(self) -> Path | None:
+        """Rename a damaged run.json to ``run.json.damaged[-N]`` beside it (the first name free);
+        returns the new path, or None when it was not damaged."""
+        if self.damaged is None or not self.path.exists():
+            return None
+        target, i = self.path.with_name(f"{PROVENANCE}.damaged"), 0
+        while target.exists():
+            i += 1
+            target = self.path.with_name(f"{PROVENANCE}.damaged-{i}")
+        os.replace(self.path, target)
+        return target
 
     @property
     def status(self) -> str | None:
@@ -330,11 +349,15 @@ class Provenance:
         threads: int,
         command: str | None = None,
         launcher: Mapping[str, Any] | None = None,
+        training_step: str | None = None,
     ) -> None:
         """Open a session: device, processes and CPU threads per process, from ``step``; ``command``
         says what started it when it was not a command line (``eblvm.train(...)``), ``launcher``
-        how it was launched when something launched it (a cluster job: its kind and id)."""
+        how it was launched when something launched it (a cluster job: its kind and id),
+        ``training_step`` how the step runs ("compiled", "CUDA graph", "eager: <why>")."""
         entry = session(device, world, step, threads, command)
+        if training_step is not None:
+            entry["training_step"] = training_step
         if launcher is not None:
             entry["launcher"] = dict(launcher)
         self.data["sessions"].append(entry)

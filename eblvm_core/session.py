@@ -1,58 +1,49 @@
-"""A training session on a run directory: a new run or the continuation of one, from the recipe
-(a file, TOML-ready data or a ``Recipe``: ``eblvm run`` and ``eblvm.train`` take this one path)
-to the final evaluation. It locks the directory, writes the resolved recipe and provenance,
-turns SIGINT and SIGTERM into a checkpoint and a clean stop, and records how the session ended;
-nothing is written before the recipe built and, on resume, the checkpoint loaded and fitted.
-Under torchrun every process runs it; rank 0 alone writes."""
+"""A training session: the one path of ``eblvm run`` and ``eblvm.train``, from a request (a recipe,
+or a run directory to resume) to the final evaluation. ``run`` reads top to bottom: the recipe,
+the plan, then under the session's signal policy and process group: prepare (a new run and a
+resumed one end with the same things: a locked run directory and the state to train), fit, close.
+
+It locks the run directory, writes the resolved recipe and provenance, turns SIGINT and SIGTERM
+into a checkpoint and a clean stop, and records how the session ended; nothing is written before
+the recipe built and, on resume, the checkpoint loaded and fitted. Under torchrun every process
+runs it; rank 0 alone writes (``Records``)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import secrets
-import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-import torch
-
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
-from eblvm_core.build import build, build_loggers, check_loggers
-from eblvm_core.context import RunContext, cudnn_autotuned, pick_device, quiet, set_threads, subnormals_flushed
-from eblvm_core.contracts import Logger
-from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted, TrainingDiverged
-from eblvm_core.launch import resume_command
+from eblvm_core.build import build, check_loggers, plan_for
+from eblvm_core.compiled import CompiledStep, compile_step
+from eblvm_core.errors import ConfigError, DataError, EblvmError, Interrupted, TrainingDiverged
+from eblvm_core.evaluation import AfterEvaluation
+from eblvm_core.launching import RunRequest
+from eblvm_core.plan import Launch, Plan, numerics
+from eblvm_core.processes import resume_command
 from eblvm_core.recipe import Recipe, check_unchanged, load_recipe, validate_with, with_run
-from eblvm_core.rundir import (
-    RECIPE,
-    Provenance,
-    RunLock,
-    RunLog,
-    announce_run_dir,
-    clean_metrics,
-    find_run_dir,
-    hyperparameters,
-    new_run_dir,
-    write_recipe,
-)
+from eblvm_core.records import Records, cannot_write, quiet
+from eblvm_core.rundir import RECIPE, Provenance, RunLock, announce_run_dir, find_run_dir, new_run_dir
 from eblvm_core.state import RunState
-from eblvm_core.trainer import AfterEvaluation, Trainer
+from eblvm_core.trainer import Trainer
 
 DICT_RECIPE = "<recipe dict>"  # what errors name as the file of a recipe given as data
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # what makes training write a checkpoint and stop
 
 
-def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: list[str] = ()) -> Recipe:
+def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: Sequence[str] = ()) -> Recipe:
     """A validated recipe from a TOML file's path, TOML-ready data (a dict as ``tomllib`` reads a
     recipe, or ``Recipe.to_dict()`` gives) or a ``Recipe``, with ``-o`` style overrides applied;
     the same validation and errors as a file (data is named ``<recipe dict>``)."""
     if isinstance(recipe, (str, Path)):
-        return load_recipe(recipe, overrides)
+        return load_recipe(recipe, list(overrides))
     if isinstance(recipe, Recipe):
         if not overrides:
             return recipe
@@ -67,77 +58,263 @@ def resolve_recipe(recipe: str | Path | Mapping[str, Any] | Recipe, overrides: l
 
 
 def run(
-    recipe_path: str | Path | Mapping[str, Any] | Recipe | None,
-    overrides: list[str] = (),
-    device: str | None = None,
-    out: str | Path = "runs",
-    resume: str | Path | None = None,
+    request: RunRequest,
     echo: Callable[[str], None] = print,
-    command: str | None = None,
     *,
     stop_signals: Sequence[int] = STOP_SIGNALS,
-    launcher: Mapping[str, Any] | None = None,
+    launched_by: Mapping[str, Any] | None = None,
     after_evaluation: AfterEvaluation | None = None,
 ) -> tuple[Path, dict[str, float]]:
-    """Train from a recipe (a path, TOML-ready data or a ``Recipe``: ``resolve_recipe``) or
-    continue the run in ``resume`` (a run directory, or a run's name folder: its latest run, said
-    through ``echo``); returns (run_dir, final eval). ``command`` is what run.json records as
-    having started the session (default: the command line).
+    """Train as ``request`` asks; returns (run_dir, final evaluation). ``echo`` gets every line
+    of the console, ``eblvm run``'s and ``eblvm.train``'s alike: the run directory, the step and
+    evaluation lines, the final evaluation (``name: value``, also in run.log) and last ``done:
+    <run_dir>`` (rank 0 alone). On resume the overrides may change only ``recipe.RESUMABLE`` keys;
+    they are checked, as is the checkpoint, before anything is written.
 
-    ``echo`` gets every line of the console, ``eblvm run``'s and ``eblvm.train``'s alike: the
-    run directory, the step and evaluation lines, the final evaluation (``name: value``, also
-    written to run.log) and last ``done: <run_dir>`` (rank 0 alone).
-
-    On resume the overrides may change only ``recipe.RESUMABLE`` keys (steps, patience,
-    intervals, device, threads, data root, evaluators, loggers); they are checked, as is the
-    checkpoint, before anything is written.
-
-    For whoever starts sessions on someone's behalf (a cluster job, a search): ``stop_signals``
-    are the signals that make training write a checkpoint and stop (``Signals``; a cluster job adds
-    the one its scheduler sends before a time limit); ``launcher`` is recorded in run.json's
-    session as how it was launched (e.g. ``{"kind": "slurm", "job_id": "812_3"}``);
-    ``after_evaluation`` may end the run after an evaluation (``Trainer``; a search's pruner).
-
-    Under torchrun every process calls it and joins the
-    process group for the run; ranks > 0 return an empty evaluation. On a CPU, subnormal floats
-    are flushed to zero while it trains and evaluates (``context.subnormals_flushed``).
-    """
-    if resume is not None:
-        run_dir, note = find_run_dir(resume, "cannot resume")
-        if note is not None and distributed.rank() == 0:
-            echo(note)
-        resume = run_dir
-        recipe_file = run_dir / RECIPE
-        recipe = load_recipe(recipe_file, overrides)
-        check_unchanged(load_recipe(recipe_file), recipe, "when resuming")
-    else:
-        recipe = resolve_recipe(recipe_path, overrides)
-        if recipe.run.seed is None:
-            recipe = with_run(recipe, seed=secrets.randbelow(2**31))
-    if device is not None:
-        recipe = with_run(recipe, device=device)
+    For whoever starts sessions on someone's behalf (a cluster job, a search): ``stop_signals`` are
+    the signals that make training write a checkpoint and stop (a cluster job adds the one its
+    scheduler sends before a time limit); ``launched_by`` is recorded in run.json's session (e.g.
+    ``{"kind": "slurm", "job_id": "812_3"}``); ``after_evaluation`` may end the run after an
+    evaluation (``Trainer``; a search's pruner). Under torchrun every process calls it and joins
+    the process group for the run; ranks > 0 return an empty evaluation."""
+    launch = Launch.here()
+    say = echo if launch.rank == 0 else quiet
+    recipe, resume = _requested(request, say)
     check_loggers(recipe)
-    try:
-        torch_device = pick_device(recipe.run.device)
-    except ConfigError as exc:
-        recipe.blame(exc)
-        raise
-    with stop_on_signals(stop_signals) as signals, distributed.process_group(torch_device) as torch_device:
-        started = Started(command, launcher, after_evaluation)
-        run_dir, results = _train(recipe, torch_device, out, resume, echo, signals, started)
-        if distributed.rank() == 0:
-            echo(f"done: {run_dir}")
+    plan = plan_for(recipe, launch=launch)
+    with stop_on_signals(stop_signals) as signals, distributed.process_group(plan.device), _Locks() as locks:
+        prepared = _prepare(recipe, plan, request.out, resume, locks, say)
+        if isinstance(prepared, str):  # nothing left to do
+            say(prepared)
+            return resume, {}
+        recipe, run_dir, state, (compiled, step_line, how) = prepared
+        records = Records(run_dir, say, writes=plan.rank == 0)
+        trainer = Trainer(recipe, state, records, after_evaluation, compiled)
+        how = how or ("CUDA graph" if plan.cuda_graph is None else f"eager: {plan.cuda_graph}")
+        with numerics(plan) as threads:
+            results = _fit(
+                trainer, records, threads, resume is not None, request, launched_by, signals, (step_line, how)
+            )
+        say(f"done: {run_dir}")
         return run_dir, results
 
 
-@attrs.frozen
-class Started:
-    """What the caller of ``run`` says about the session besides the recipe: the command that
-    started it, how it was launched (run.json) and who watches its evaluations (``Trainer``)."""
+def _requested(request: RunRequest, say: Callable[[str], None]) -> tuple[Recipe, Path | None]:
+    """(recipe, run directory to resume or None) of a request: a new run's recipe resolved, with a
+    seed drawn when it has none; a resumed run's own recipe with the overrides a resume may take
+    (checked here); either with the request's device."""
+    if request.resume is None:
+        recipe = resolve_recipe(request.recipe, request.overrides)
+        if recipe.run.seed is None:
+            recipe = with_run(recipe, seed=secrets.randbelow(2**31))
+        resume = None
+    else:
+        resume, note = find_run_dir(request.resume, "cannot resume")
+        if note is not None:
+            say(note)
+        recipe = load_recipe(resume / RECIPE, list(request.overrides))
+        check_unchanged(load_recipe(resume / RECIPE), recipe, "when resuming")
+    if request.device is not None:
+        recipe = with_run(recipe, device=request.device)
+    return recipe, resume
 
-    command: str | None = None
-    launcher: Mapping[str, Any] | None = None
-    after_evaluation: AfterEvaluation | None = None
+
+def _prepare(
+    recipe: Recipe, plan: Plan, out: Path, resume: Path | None, locks: _Locks, say: Callable[[str], None]
+) -> tuple[Recipe, Path, RunState, tuple[CompiledStep | None, str | None, str | None]] | str:
+    """(recipe, locked run directory, state to train, ``compile_step``'s answer): a new run's
+    directory is made, a resumed run's checkpoint is read, checked and restored (without one, it
+    starts again from step 0 in its directory); the step is compiled where the plan says, before a
+    directory is made. Every rank builds from the run's seed (rank 0's when it was drawn), then
+    ranks > 0 reseed. A line instead when a resumed run has nothing left to do."""
+    checkpoint = None
+    if resume is None:
+        if plan.world > 1:
+            recipe = with_run(recipe, seed=distributed.broadcast_object(recipe.run.seed))
+    else:
+        checkpoint = _checked_resume(recipe, resume, locks)
+        if isinstance(checkpoint, str):
+            return checkpoint
+    ckpt.seed_everything(recipe.run.seed)
+    built = build(recipe, plan)
+    if plan.device_note is not None:
+        say(f"device auto: {plan.device_note}; training on the CPU")
+    state = RunState(recipe, built)
+    if plan.rank:
+        ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, plan.rank))
+    if checkpoint is not None:
+        state.restore(ckpt.to_device(checkpoint, plan.device), source=ckpt.last_checkpoint(resume))
+    with numerics(plan):  # compiled with the threads and numerics it runs with
+        compiled = compile_step(state) if plan.device.type == "cpu" else (None, None, None)
+    run_dir = resume or Path(_on_rank0(lambda: locks.claim(new_run_dir(out, recipe.run.name))))
+    if plan.rank == 0:
+        announce_run_dir(run_dir)
+    return recipe, run_dir, state, compiled
+
+
+def _fit(
+    trainer: Trainer,
+    records: Records,
+    threads: int,
+    resumed: bool,
+    request: RunRequest,
+    launched_by: Mapping[str, Any] | None,
+    signals: Signals,
+    step: tuple[str | None, str],
+) -> dict[str, float]:
+    """Open the run's records, train, and close them with how the session ended: "finished",
+    "stopped early" ([run] patience), another status a ``Stop`` of ``after_evaluation`` gave
+    ("pruned"), "diverged", "interrupted" or "failed". ``step`` is (the log's line on how the
+    training step runs, what run.json records of it)."""
+    recipe, state, plan = trainer.recipe, trainer.state, trainer.state.built.plan
+    step_line, how = step
+    status = "failed"
+    try:
+        final_pending = resumed and (state.step == recipe.run.steps or state.out_of_patience())
+        records.open(recipe, plan, state.step, threads, resumed, request.command, launched_by, final_pending, how)
+        for warning in state.parts.warnings:
+            records.echo(f"warning: {warning}")
+        records.echo(_opening(recipe, state, records.run_dir, threads, resumed))
+        if step_line is not None:
+            records.echo(step_line)
+        signals.watch(trainer)
+        try:
+            results = trainer.fit()
+        except KeyboardInterrupt:
+            since = _kept(state) or "no checkpoint had been written, so it starts again from step 0"
+            raise Interrupted(
+                f"Ctrl-C at step {state.step}, stopped at once; resume with: "
+                f"{resume_command(records.run_dir, plan.world)} ({since})"
+            ) from None
+        except (DataError, OSError) as exc:
+            raise _mid_run(exc, records.run_dir, state) from None
+        finally:
+            signals.done()
+        status = "finished" if trainer.stopped is None else trainer.stopped.status
+        records.finish(recipe, results)
+        return results
+    except BaseException as exc:
+        if isinstance(exc, (TrainingDiverged, Interrupted)):
+            status = "diverged" if isinstance(exc, TrainingDiverged) else "interrupted"
+        records.failed(exc)
+        raise
+    finally:
+        records.close(status, state.step)
+
+
+def _opening(recipe: Recipe, state: RunState, run_dir: Path, threads: int, resumed: bool) -> str:
+    """The session's first line: where it resumes, or the new run's directory, seed and device."""
+    if resumed and state.last_saved is None:
+        return f"resuming {run_dir} at step 0: no checkpoint had been written, so it starts again"
+    if resumed:
+        return f"resuming {run_dir} at step {state.step}"
+    device, world = state.built.plan.device, state.world
+    threads_said = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" or world > 1 else ""
+    processes = f" per process, {world} processes" if world > 1 else ""
+    return f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{threads_said}{processes})"
+
+
+def _mid_run(exc: DataError | OSError, run_dir: Path, state: RunState) -> EblvmError:
+    """The one line of a file fault met while training: a data file that cannot be read (a
+    DataError from its reader, or an OSError naming a file outside the run directory) as the read
+    error it is, with where the run stands and how to resume once it is fixed; any other OSError as
+    the run directory's write error (exit 1)."""
+    kept = _kept(state) or "no checkpoint was written"
+    filename = getattr(exc, "filename", None)
+    written = isinstance(exc, OSError) and (
+        filename is None or Path(run_dir).resolve() in Path(filename).resolve().parents
+    )
+    if written:
+        return cannot_write(exc, run_dir, f"; {kept}")
+    what = _own_line(exc) if isinstance(exc, DataError) else f"{filename}: cannot read: {exc.strerror or exc}"
+    return DataError(f"{what}; {kept}; once it is fixed, resume with: {resume_command(run_dir, state.world)}")
+
+
+def _own_line(exc: DataError) -> str:
+    """A reader's DataError line, also when a DataLoader worker raised it: torch re-raises it in
+    the main process with the worker's traceback before the line."""
+    text = str(exc)
+    if "in DataLoader worker process" in text:
+        text = text.rsplit("DataError: ", 1)[-1].strip()
+    return text
+
+
+def _kept(state: RunState) -> str | None:
+    """Which checkpoint holds the last saved step (None: none was written)."""
+    return None if state.last_saved is None else f"{state.last_saved[1]} holds step {state.last_saved[0]}"
+
+
+class _Locks:
+    """The run-directory locks rank 0 holds for the session, released when it ends."""
+
+    def __init__(self) -> None:
+        self.held: list[RunLock] = []
+
+    def claim(self, run_dir: Path) -> Path:
+        self.held.append(RunLock(run_dir).acquire())
+        return run_dir
+
+    def __enter__(self) -> _Locks:
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        for lock in self.held:
+            lock.release()
+
+
+def _on_rank0(work: Callable[[], Any]) -> Any:
+    """Run ``work`` on rank 0 and hand its result, or its EblvmError, to every rank (so that a
+    refusal on rank 0 stops every rank instead of leaving them waiting at a collective)."""
+    outcome: Any = None
+    if distributed.rank() == 0:
+        try:
+            outcome = ("ok", work())
+        except EblvmError as exc:
+            outcome = ("error", exc)
+    outcome = distributed.broadcast_object(outcome)
+    if outcome[0] == "error":
+        raise outcome[1]
+    return outcome[1]
+
+
+def _checked_resume(recipe: Recipe, run_dir: Path, locks: _Locks) -> dict[str, Any] | str | None:
+    """The checkpoint to continue from, read on the CPU: lock the run directory (rank 0), remove
+    stale temporary checkpoints, load last.pt and check it against the recipe. None without a
+    checkpoint (stopped before the first: the run starts again from step 0 in its directory); a
+    line saying why nothing is left to do when the run ended at [run] steps, or stopped early and
+    the patience is still spent."""
+    path = ckpt.last_checkpoint(run_dir)
+    loaded: dict[str, Any] = {}
+
+    def check() -> tuple[int | None, bool, int]:
+        locks.claim(run_dir)
+        ckpt.remove_stale_temporaries(run_dir)
+        if not path.exists():
+            return None, False, 0
+        loaded["state"] = ckpt.read_checkpoint(path)
+        ckpt.check_checkpoint_recipe(loaded["state"], recipe, path)
+        return int(loaded["state"]["step"]), Provenance(run_dir).finished, int(loaded["state"].get("stale", 0))
+
+    step, finished, stale = _on_rank0(check)
+    if step is None:
+        return None
+    if step > recipe.run.steps:
+        error = ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}")
+        recipe.blame(error)
+        raise error
+    if step == recipe.run.steps and finished:
+        return (
+            f"{run_dir} finished at step {step}: nothing to do "
+            "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
+        )
+    patience = recipe.run.patience
+    if finished and patience is not None and stale >= patience:
+        return (
+            f"{run_dir} stopped early at step {step}: {stale} evaluations without improvement, "
+            f"[run] patience = {patience}: nothing to do (continue it with a larger -o run.patience=N; "
+            "evaluate it with eblvm eval)"
+        )
+    return loaded.get("state") or ckpt.read_checkpoint(path)
 
 
 class Signals:
@@ -193,222 +370,3 @@ def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[Signals]:
     finally:
         for sig, old in policy.previous.items():
             signal.signal(sig, old)
-
-
-def _on_rank0(work: Callable[[], Any]) -> Any:
-    """Run ``work`` on rank 0 and hand its result, or its EblvmError, to every rank (so that a
-    refusal on rank 0 stops every rank instead of leaving them waiting at a collective)."""
-    outcome: Any = None
-    if distributed.rank() == 0:
-        try:
-            outcome = ("ok", work())
-        except EblvmError as exc:
-            outcome = ("error", exc)
-    outcome = distributed.broadcast_object(outcome)
-    if outcome[0] == "error":
-        raise outcome[1]
-    return outcome[1]
-
-
-def _train(
-    recipe: Recipe,
-    device: torch.device,
-    out: str | Path,
-    resume: str | Path | None,
-    echo: Callable[[str], None],
-    signals: Signals,
-    started: Started,
-) -> tuple[Path, dict[str, float]]:
-    """``run`` once the recipe and this rank's device are known. Every rank builds from the run's
-    seed (rank 0's when it was drawn), then ranks > 0 reseed; rank 0 alone locks and writes the run
-    directory and echoes. Nothing is written before the recipe built and, on resume, the
-    checkpoint loaded and fitted."""
-    rank, world = distributed.rank(), distributed.world_size()
-    if rank:
-        echo = quiet
-    if world > 1 and resume is None:
-        recipe = with_run(recipe, seed=distributed.broadcast_object(recipe.run.seed))
-    locks: list[RunLock] = []
-    try:
-        checkpoint = None
-        if resume is not None:
-            run_dir = Path(resume)
-            checkpoint, finished = _checked_resume(recipe, run_dir, device, locks)
-            if finished is not None:
-                echo(finished)
-                return run_dir, {}
-        ckpt.seed_everything(recipe.run.seed)
-        built = build(recipe, device, auto=recipe.run.device == "auto" and world == 1)
-        if built.cpu_because is not None:
-            echo(f"device auto: {built.cpu_because}; training on the CPU")
-            checkpoint = ckpt.to_device(checkpoint, built.device)
-        threads = set_threads(recipe.run.threads, built.device, built.parts)
-        state = RunState(recipe, built, rank, world)
-        if rank:
-            ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, rank))
-        if checkpoint is not None:
-            state.restore(checkpoint, source=ckpt.last_checkpoint(resume))
-            del checkpoint
-        if resume is None:
-            run_dir = Path(_on_rank0(lambda: _new_run_dir(out, recipe.run.name, locks)))
-        if rank == 0:
-            announce_run_dir(run_dir)
-        with subnormals_flushed(built.device), cudnn_autotuned(built.device, recipe.run.cudnn_benchmark):
-            return _fit(recipe, state, run_dir, threads, resume, echo, signals, started)
-    finally:
-        for lock in locks:
-            lock.release()
-
-
-def _checked_resume(
-    recipe: Recipe, run_dir: Path, device: torch.device, locks: list[RunLock]
-) -> tuple[dict[str, Any] | None, str | None]:
-    """(checkpoint, finished) of the run to continue: lock the run directory (rank 0, the lock
-    goes into ``locks``), remove stale temporary checkpoints, load last.pt and check it against
-    the recipe. Without a checkpoint (stopped before the first) the state is None and the run
-    starts again from step 0 in its directory; ``finished`` is a line saying why nothing is left
-    to do (the run ended at [run] steps, or stopped early and the patience is still spent), else
-    None."""
-    path = ckpt.last_checkpoint(run_dir)
-    loaded: dict[str, Any] = {}
-
-    def check() -> tuple[int | None, bool, int]:
-        locks.append(RunLock(run_dir).acquire())
-        ckpt.remove_stale_temporaries(run_dir)
-        if not path.exists():
-            return None, False, 0
-        loaded["state"] = ckpt.read_checkpoint(path, map_location=device)
-        ckpt.check_checkpoint_recipe(loaded["state"], recipe, path)
-        return int(loaded["state"]["step"]), Provenance(run_dir).finished, int(loaded["state"].get("stale", 0))
-
-    step, finished, stale = _on_rank0(check)
-    if step is None:
-        return None, None
-    if step > recipe.run.steps:
-        error = ConfigError("run", "steps", f"{recipe.run.steps} is below the checkpoint's step {step}")
-        recipe.blame(error)
-        raise error
-    if step == recipe.run.steps and finished:
-        return None, (
-            f"{run_dir} finished at step {step}: nothing to do "
-            "(continue it with -o run.steps=N; evaluate it with eblvm eval)"
-        )
-    patience = recipe.run.patience
-    if finished and patience is not None and stale >= patience:
-        return None, (
-            f"{run_dir} stopped early at step {step}: {stale} evaluations without improvement, "
-            f"[run] patience = {patience}: nothing to do (continue it with a larger -o run.patience=N; "
-            "evaluate it with eblvm eval)"
-        )
-    state = loaded.get("state") or ckpt.read_checkpoint(path, map_location=device)
-    return state, None
-
-
-def _new_run_dir(out: str | Path, name: str, locks: list[RunLock]) -> Path:
-    """Create and lock ``<out>/<name>/<timestamp>`` (the lock goes into ``locks``); a
-    FileSystemError when ``out`` refuses."""
-    run_dir = new_run_dir(out, name)
-    locks.append(RunLock(run_dir).acquire())
-    return run_dir
-
-
-def _fit(
-    recipe: Recipe,
-    state: RunState,
-    run_dir: Path,
-    threads: int,
-    resume: str | Path | None,
-    echo: Callable[[str], None],
-    signals: Signals,
-    started: Started,
-) -> tuple[Path, dict[str, float]]:
-    """Write the run directory's recipe, provenance and log and make the loggers (rank 0), then
-    the run's context and its trainer; train, and record how it ended: "finished", "stopped early"
-    ([run] patience), another status a ``Stop`` of ``after_evaluation`` gave ("pruned"),
-    "diverged", "interrupted" or "failed"."""
-    rank, world, device = state.rank, state.world, state.parts.device
-    provenance = Provenance(run_dir) if rank == 0 else None
-    loggers: list[Logger] = []
-    status = "failed"
-    try:
-        try:
-            if rank == 0:
-                write_recipe(recipe, run_dir)
-                if resume is not None:  # the final evaluation runs again at the end, or at once if it stopped early
-                    final_pending = state.step == recipe.run.steps or state.out_of_patience()
-                    clean_metrics(run_dir, state.step, final_pending)
-                provenance.start(str(device), world, state.step, threads, started.command, started.launcher)
-                loggers = build_loggers(recipe, run_dir)
-                if resume is not None:
-                    for logger in loggers:
-                        logger.resume(state.step)
-        except BaseException as exc:
-            if resume is None and rank == 0:
-                shutil.rmtree(run_dir, ignore_errors=True)  # a run that could not start leaves nothing
-                with contextlib.suppress(OSError):
-                    run_dir.parent.rmdir()  # nor an empty <out>/<name>/
-            if isinstance(exc, OSError):
-                raise FileSystemError(f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}") from None
-            raise
-        log = RunLog(run_dir, echo) if rank == 0 else quiet
-        context = RunContext(run_dir, device, threads, log, tuple(loggers), rank, world)
-        trainer = Trainer(recipe, state, context, started.after_evaluation)
-        for warning in state.parts.warnings:
-            log(f"warning: {warning}")
-        if resume is not None and state.last_saved is None:
-            log(f"resuming {run_dir} at step 0: no checkpoint had been written, so it starts again")
-        elif resume is not None:
-            log(f"resuming {run_dir} at step {state.step}")
-        else:
-            threads_said = f", {threads} CPU thread{'s' * (threads > 1)}" if device.type == "cpu" or world > 1 else ""
-            processes = f" per process, {world} processes" if world > 1 else ""
-            log(f"run directory: {run_dir}  (seed {recipe.run.seed}, device {device}{threads_said}{processes})")
-        signals.watch(trainer)
-        try:
-            results = trainer.fit()
-        except KeyboardInterrupt:
-            since = (
-                f"{state.last_saved[1]} holds step {state.last_saved[0]}"
-                if state.last_saved
-                else "no checkpoint had been written, so it starts again from step 0"
-            )
-            raise Interrupted(
-                f"Ctrl-C at step {state.step}, stopped at once; resume with: {resume_command(run_dir, world)} ({since})"
-            ) from None
-        except OSError as exc:
-            raise FileSystemError(
-                f"{exc.filename or run_dir}: cannot write: {exc.strerror or exc}; {_kept(state)}"
-            ) from None
-        finally:
-            signals.done()
-        status = "finished" if trainer.stopped is None else trainer.stopped.status
-        if rank == 0:
-            for key, value in results.items():
-                log(f"{key.removeprefix('eval/')}: {value:.6g}")
-            for logger in loggers:
-                if hasattr(logger, "log_hparams"):
-                    logger.log_hparams(hyperparameters(recipe), results)
-        return run_dir, results
-    except BaseException as exc:
-        if isinstance(exc, TrainingDiverged):
-            status = "diverged"
-        elif isinstance(exc, Interrupted):
-            status = "interrupted"
-        if rank == 0 and isinstance(exc, EblvmError):
-            label = "interrupted" if isinstance(exc, Interrupted) else "error"
-            with contextlib.suppress(OSError):
-                RunLog(run_dir, quiet).write(f"{label}: {exc}")
-        raise
-    finally:
-        for logger in loggers:
-            with contextlib.suppress(Exception):
-                logger.close()
-        if provenance is not None:
-            with contextlib.suppress(OSError):
-                provenance.end(status, state.step)
-
-
-def _kept(state: RunState) -> str:
-    if state.last_saved is None:
-        return "no checkpoint was written"
-    return f"{state.last_saved[1]} holds step {state.last_saved[0]}"

@@ -7,46 +7,113 @@ and the evaluations since). The trainer holds a ``RunState`` it trains; ``eblvm 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.build import Built
-from eblvm_core.contracts import EvalResult, Parts, evaluation_mode
 from eblvm_core.data import Batches
 from eblvm_core.errors import CheckpointError, ConfigError
 from eblvm_core.recipe import Recipe, training_part
 
 
-def call_evaluators(
-    parts: Parts, evaluators: Iterable[tuple[str, Any]], announce: Callable[[str], None], keep_rng: bool = False
-) -> EvalResult:
-    """Call each (name, evaluator) on ``parts`` in ``evaluation_mode`` (with ``keep_rng``, also
-    inside a fork of the RNG, so the caller's stream goes on as if nothing had run); an
-    evaluator's ``announce`` line goes to ``announce`` as "<name>: <line>" before it starts.
-    Scalars and images keyed ``eval/<name>/<key>``."""
-    devices = [parts.device] if parts.device.type == "cuda" else []
-    scalars: dict[str, float] = {}
-    images: dict[str, torch.Tensor] = {}
-    for name, evaluator in evaluators:
-        line = getattr(evaluator, "announce", None)
-        if line:
-            announce(f"{name}: {line}")
-        rng = torch.random.fork_rng(devices=devices) if keep_rng else contextlib.nullcontext()
-        with rng, evaluation_mode(parts.networks().values()):
-            result = evaluator(parts)
-        scalars.update({f"eval/{name}/{k}": float(v) for k, v in result.scalars.items()})
-        images.update({f"eval/{name}/{k}": v for k, v in result.images.items()})
-    return EvalResult(scalars, images)
+class StepSums:
+    """The sums of the step metrics since the last log step, kept where the metrics are.
+
+    Tensor metrics are added into 0-d float32 tensors on their device, all of them by one
+    ``_foreach_add_`` a step (no host synchronisation, no new tensors); number metrics into Python
+    floats. Folded into the same addition, a sentinel adds 0·loss for a tensor ``loss``: it stays 0
+    while every loss is finite and turns NaN at the first non-finite one (a finite loss, however
+    large, cannot overflow it). The sums are read from the device in one transfer, at log steps and
+    at the NaN guard's checks only.
+    """
+
+    SENTINEL = "\0loss-is-finite"
+
+    def __init__(self):
+        self.steps = 0  # the steps summed since the last take
+        self.order: dict[str, None] = {}  # metric names since the last take, in the order they first came
+        self.tensors: dict[str, Tensor] = {}  # every tensor metric's accumulator (kept, zeroed, across takes)
+        self.numbers: dict[str, float] = {}
+        self.nonfinite_number = False  # a loss given as a number was not finite
+        self._plan: tuple[tuple[str, ...], list[Tensor]] = ((), [])  # the last step's keys and accumulators
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        self.steps += 1
+        keys, values = [], []
+        for k, v in metrics.items():
+            self.order.setdefault(k)
+            if isinstance(v, Tensor):
+                keys.append(k)
+                values.append(v if v.dim() == 0 else v.reshape(()))
+            else:
+                self.numbers[k] = self.numbers.get(k, 0.0) + float(v)
+        loss = metrics.get("loss")
+        if loss is not None and not isinstance(loss, Tensor) and not math.isfinite(loss):
+            self.nonfinite_number = True
+        if not keys:
+            return
+        plan_keys, accumulators = self._plan
+        with torch.no_grad():
+            if isinstance(loss, Tensor):
+                keys.append(self.SENTINEL)
+                values.append(loss.reshape(()) * 0)
+            if tuple(keys) != plan_keys:
+                for k, v in zip(keys, values):
+                    if k not in self.tensors:
+                        self.tensors[k] = torch.zeros((), dtype=torch.float32, device=v.device)
+                accumulators = [self.tensors[k] for k in keys]
+                self._plan = (tuple(keys), accumulators)
+            torch._foreach_add_(accumulators, [v if v.dtype == torch.float32 else v.float() for v in values])
+
+    def loss_finite(self) -> bool:
+        """Whether every loss since the last ``take`` was finite (reads the sentinel: a synchronisation)."""
+        sentinel = self.tensors.get(self.SENTINEL)
+        return not self.nonfinite_number and (sentinel is None or float(sentinel) == 0.0)
+
+    def take(self) -> dict[str, float]:
+        """The sums by metric name (one transfer from the device), then every sum back to 0, in place."""
+        names = [k for k in self.tensors if k != self.SENTINEL]
+        tensors = [self.tensors[k] for k in names]
+        try:
+            read = torch.stack(tensors).tolist() if tensors else []
+        except RuntimeError:  # sums on several devices
+            read = [float(t) for t in tensors]
+        sums = dict(zip(names, read))
+        for k, v in self.numbers.items():
+            sums[k] = sums.get(k, 0.0) + v
+        if self.tensors:
+            torch._foreach_zero_(list(self.tensors.values()))
+        taken = {k: sums[k] for k in self.order}  # the metrics given since the last take
+        self.order, self.numbers, self.nonfinite_number, self._plan = {}, {}, False, ((), [])
+        self.steps = 0
+        return taken
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums since the last take, for a checkpoint: a resumed run's first log record then
+        averages the same steps as an uninterrupted run's."""
+        return {
+            "steps": self.steps,
+            "order": list(self.order),
+            "tensors": {k: t.detach().clone() for k, t in self.tensors.items()},
+            "numbers": dict(self.numbers),
+            "nonfinite_number": self.nonfinite_number,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.order = int(state["steps"]), dict.fromkeys(state["order"])
+        self.tensors = {k: t.clone() for k, t in state["tensors"].items()}
+        self.numbers, self.nonfinite_number = dict(state["numbers"]), bool(state["nonfinite_number"])
+        self._plan = ((), [])
 
 
 class RunState:
-    """The trained state of ``built`` as ``recipe`` made it, in process ``rank`` of ``world``.
+    """The trained state of ``built`` as ``recipe`` made it, in process ``rank`` of ``world`` (the plan's).
 
     With W processes (torchrun) each rank draws its B/W share of every batch; the parameters
     start as rank 0's (broadcast here) and stay equal, as every role's ``update`` averages the
@@ -55,7 +122,8 @@ class RunState:
     evaluations since), checkpointed with the rest.
     """
 
-    def __init__(self, recipe: Recipe, built: Built, rank: int = 0, world: int = 1):
+    def __init__(self, recipe: Recipe, built: Built):
+        rank, world = built.plan.rank, built.plan.world
         self.recipe, self.built, self.rank, self.world = recipe, built, rank, world
         self.parts, self.roles = built.parts, built.roles
         self.estimator = built.parts.estimator
@@ -71,10 +139,12 @@ class RunState:
             self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, rank, world
         )
         self.step = 0
+        self.sums = StepSums()  # the step metrics summed since the last log step (``progress``)
         self.last_saved: tuple[int, Path] | None = None
         self.best: float | None = None
         self.best_step: int | None = None
         self.stale = 0
+        self.evaluated_step: int | None = None  # the step of the last finite evaluation
         names = {
             id(p): f"{section}.{n}" for section, net in self.parts.networks().items() for n, p in net.named_parameters()
         }
@@ -101,6 +171,8 @@ class RunState:
             "best": self.best,
             "best_step": self.best_step,
             "stale": self.stale,
+            "evaluated_step": self.evaluated_step,
+            "sums": self.sums.state_dict(),
             "recipe": training_part(self.recipe.to_dict()),
         }
 
@@ -142,6 +214,9 @@ class RunState:
         self.best = state.get("best")
         self.best_step = state.get("best_step")
         self.stale = int(state.get("stale", 0))
+        self.evaluated_step = state.get("evaluated_step")
+        if "sums" in state:  # since the last log step: a resumed run logs what an uninterrupted one does
+            self.sums.load_state_dict(state["sums"])
 
     def save(self, run_dir: Path, last: bool = True, keep: bool = False) -> None:
         """Write checkpoints/last.pt and, with ``keep``, checkpoints/step-<step>.pt in ``run_dir``

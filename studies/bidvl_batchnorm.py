@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--updates", type=int, default=40, help="updates' passes for the re-estimated statistics")
     args = parser.parse_args(argv)
 
-    from eblvm_core.api import load
+    from eblvm.api import load
 
     loaded = load(args.run_dir, args.checkpoint, device=args.device, evaluators=[], echo=None)
     parts, table = loaded.parts, {"kind": "reconstruction", "batch_size": args.batch_size, "images": 0}

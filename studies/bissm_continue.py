@@ -16,12 +16,8 @@ from pathlib import Path
 
 import torch
 
+import eblvm
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.build import build
-from eblvm_core.context import RunContext
-from eblvm_core.recipe import load_recipe
-from eblvm_core.state import RunState
-from eblvm_core.trainer import Trainer
 
 
 def main() -> None:
@@ -36,9 +32,9 @@ def main() -> None:
     torch.set_num_threads(1)
     state = ckpt.read_checkpoint(ckpt.last_checkpoint(args.run))
     end = int(state["step"]) + args.steps
-    recipe = load_recipe(
+    prepared = eblvm.prepare(
         args.run / "recipe.toml",
-        [
+        overrides=[
             f"estimator.unroll_steps={args.unroll_steps}",
             *([f"estimator.inner_lr={args.inner_lr}"] if args.inner_lr else []),
             f"run.steps={end}",
@@ -48,14 +44,9 @@ def main() -> None:
             'run.device="cpu"',
         ],
     )
-    ckpt.seed_everything(recipe.run.seed)
-    built = build(recipe, torch.device("cpu"))
     args.out.mkdir(parents=True, exist_ok=False)
-    (args.out / "checkpoints").mkdir()
-    restored = RunState(recipe, built)
-    restored.restore(state, source=ckpt.last_checkpoint(args.run))
-    context = RunContext(args.out, built.device, torch.get_num_threads(), echo=print)
-    print({k: round(v, 4) for k, v in Trainer(recipe, restored, context).fit().items()})
+    prepared.restore(ckpt.last_checkpoint(args.run))
+    print({k: round(v, 4) for k, v in prepared.fit(args.out).items()})
 
 
 if __name__ == "__main__":

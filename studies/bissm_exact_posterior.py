@@ -46,7 +46,7 @@ from eblvm_grbm.model import all_binary
 from eblvm_score.objectives import SM, SSM
 from eblvm_toy import checkerboard_sample
 
-from eblvm_core import api
+from eblvm import api
 from eblvm_core.build import build
 from eblvm_core.contracts import exact_score
 from eblvm_core.recipe import load_recipe

@@ -32,8 +32,8 @@ import torch
 from eblvm_bism import BiSMImplicit
 from eblvm_score.objectives import SM
 
+from eblvm.api import toml_value
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.api import toml_value
 from eblvm_core.build import build
 from eblvm_core.contracts import exact_score
 from eblvm_core.recipe import load_recipe

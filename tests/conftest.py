@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 
 from tests.support import SMALL_RECIPE
 
+pytest_plugins = ["eblvm.testing"]  # the plugin kit's fixtures (short_run, tiny_grbm, linear_gaussian)
+
 # The tests' tensors are tiny: one thread avoids oversubscribing a small CI machine.
 torch.set_num_threads(1)
 
@@ -30,8 +32,10 @@ def write_recipe(tmp_path: Path):
 
 @pytest.fixture
 def cli():
-    """invoke(args) -> click Result of the eblvm app, in-process."""
-    from eblvm_core.cli import app
+    """invoke(args) -> click Result of the eblvm app, with the plugins' commands, in-process."""
+    from eblvm_core.cli import add_plugin_commands, app
+
+    add_plugin_commands(echo=lambda _line: None)
 
     runner = CliRunner()
     return lambda args: runner.invoke(app, [str(a) for a in args])

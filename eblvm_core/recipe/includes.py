@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from eblvm_core.errors import ConfigError
+from eblvm_core.recipe.library import PREFIX, named, recipe_file
+from eblvm_core.recipe.library import did_you_mean as did_you_mean_bundled
 from eblvm_core.registry import did_you_mean
 
 
@@ -26,7 +28,7 @@ def parse(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError("", None, f"cannot read the recipe: {exc.strerror or exc}", file=file) from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (some editors save one, unseen) is read past
     except UnicodeDecodeError as exc:
         raise ConfigError(
             "",
@@ -48,14 +50,16 @@ INCLUDE, REPLACE = "include", "replace"  # top-level keys of composition, resolv
 
 
 def read(path: str | Path) -> dict[str, Any]:
-    """Parse a recipe (or comparison spec) file and resolve its includes: ``include = ["base.toml"]``
-    (paths relative to the including file; included files may include others) merges the
+    """Parse a recipe (or comparison spec) file, or a bundled one by name (``library``), and resolve
+    its includes: ``include = ["base.toml"]`` (paths relative to the including file,
+    ``eblvm:NAME`` a bundled one; included files may include others) merges the
     included files in order, then this file's own keys over them (``merge``); ``replace =
     ["eval"]`` lists keys of this file that replace the included value instead of being merged
     with (or appended to) it. A file reached twice (two files that include one base) is merged
     once, where it is first included. The result has neither key. A missing include, an include
     cycle or a wrong ``replace`` is a ConfigError naming the including file and the key."""
-    return _compose(Path(path), str(path), (), set())
+    path = recipe_file(path)
+    return _compose(path, str(path), (), set())
 
 
 def _compose(path: Path, file: str, chain: tuple[tuple[Path, str], ...], done: set[Path]) -> dict[str, Any]:
@@ -80,7 +84,10 @@ def _compose(path: Path, file: str, chain: tuple[tuple[Path, str], ...], done: s
     chain = (*chain, (path.resolve(), file))
     merged: dict[str, Any] = {}
     for name in includes:
-        target = Path(name) if Path(name).is_absolute() else path.parent / name
+        target = named(name) if name.startswith(PREFIX) else Path(name)
+        if target is None:
+            raise ConfigError("", INCLUDE, f"'{name}': no bundled recipe{did_you_mean_bundled(name)}", file=file)
+        target = target if target.is_absolute() else path.parent / target
         shown = os.path.normpath(target)
         if not target.is_file():
             what = "is a directory, not a recipe file" if target.is_dir() else "no such file"

@@ -22,6 +22,7 @@ RESUMABLE = (
     "run.device",
     "run.cuda_graph",
     "run.cudnn_benchmark",
+    "run.compile",
     "data.root",
     "eval",
     "log",
@@ -67,7 +68,7 @@ def check_unchanged(before: Recipe, after: Recipe, when: str, also: tuple[str, .
     RESUMABLE and the sections ``also``: a ConfigError naming the first such key."""
     for path, old, new in differences(before.to_dict(), after.to_dict()):
         if not _resumable(path) and not any(path == key or path.startswith(key + ".") for key in also):
-            section, key = _split(path)
+            section, key = (path, None) if isinstance(old, dict) or isinstance(new, dict) else _split(path)
             allowed = ", ".join((*RESUMABLE, *also))
             error = ConfigError(
                 section,

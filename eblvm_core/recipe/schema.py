@@ -69,6 +69,12 @@ class RunConfig:
         "on a GPU, let cuDNN time its convolution algorithms for the run's shapes and use the fastest (as "
         "benchmarks/bench_deep.py does); the choice depends on timings, so two runs may differ in the last bits",
     )
+    compile: bool | Literal["auto"] = option(
+        "auto",
+        "on a CPU, trace the training step into one graph and compile it (torch.compile): 'auto' where the step "
+        "compiles and the run is long enough to repay it (docs/benchmarks.md), true (or stop saying why not), "
+        "false (the eager step)",
+    )
     log_every: int = option(100, "steps between logged (averaged) training metrics", positive)
     eval_every: int = option(0, "steps between evaluations; 0 evaluates at the end only", non_negative)
     checkpoint_every: int = option(1000, "steps between checkpoints (one is also written at the end)", positive)
@@ -168,6 +174,20 @@ class Recipe:
             return attrs.NOTHING
         field = attrs.fields_dict(type(config)).get(key) if attrs.has(type(config)) else None
         return attrs.NOTHING if field is None else option_default(field)
+
+    def reported_keys(self, evaluators: list[tuple[str, Any]] | None = None) -> set[str] | None:
+        """The scalar keys the evaluators report (``eval/<name>/<key>``): each built evaluator's
+        own ``reports`` where given (an ``Evaluator``), else its registration's keys at the
+        section's options; None when one declares nothing (it is then checked when it reports)."""
+        keys: set[str] = set()
+        built = dict(enumerate(evaluators or []))
+        for i, section in enumerate(self.evals):
+            declared = getattr(built.get(i, (None, None))[1], "reports", None)
+            declared = section.entry.reported_keys(section.config) if declared is None else declared
+            if declared is None:
+                return None
+            keys.update(f"eval/{section.kind}/{key}" for key in declared)
+        return keys
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe (defaults filled in), as TOML-ready data."""

@@ -15,6 +15,7 @@ from eblvm_core.config import coerce, structure
 from eblvm_core.errors import ConfigError, blame
 from eblvm_core.plugins import Loaded, load
 from eblvm_core.recipe.includes import INCLUDE, REPLACE, read
+from eblvm_core.recipe.library import recipe_file
 from eblvm_core.recipe.overrides import apply_overrides
 from eblvm_core.recipe.schema import (
     DEFAULT_LOGGER,
@@ -160,7 +161,9 @@ def load_recipe(
     evals: list[dict[str, Any]] | None = None,
 ) -> Recipe:
     """Read (includes resolved, ``read``), override (``apply_override``, in order) and validate a
-    recipe file; ``evals`` ([[eval]] tables) replace its evaluators before the overrides apply."""
+    recipe file (or a bundled one by name); ``evals`` ([[eval]] tables) replace its evaluators
+    before the overrides apply."""
+    path = recipe_file(path)
     raw = read(path)
     if evals is not None:
         raw["eval"] = [dict(table) for table in evals]

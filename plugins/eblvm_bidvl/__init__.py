@@ -1,6 +1,7 @@
 """BiDVL plugin: bi-level doubly variational learning of a decoupled EBLVM (energy, encoder,
 generator), its networks, reconstruction and OOD evaluators, and the generator's sampler."""
 
+from eblvm.plugin import NoConfig, hookimpl
 from eblvm_bidvl.estimator import BiDVL, BiDVLConfig, build_bidvl, gaussian_kl
 from eblvm_bidvl.evaluators import (
     OODConfig,
@@ -11,7 +12,6 @@ from eblvm_bidvl.evaluators import (
     build_reconstruction,
 )
 from eblvm_bidvl.nets import EnergyConfig, GeneratorConfig, build_energy, build_generator
-from eblvm_core.plugin_api import NoConfig, hookimpl
 
 __all__ = ["BiDVL", "auroc", "gaussian_kl"]
 
@@ -33,8 +33,13 @@ def register_estimators(register):
 
 @hookimpl
 def register_evaluators(register):
-    register("reconstruction", build_reconstruction, ReconstructionConfig)
-    register("ood-auroc", build_ood, OODConfig)
+    register(
+        "reconstruction",
+        build_reconstruction,
+        ReconstructionConfig,
+        reports=("{split}_rmse", "{split}_rmse_batch_stats"),
+    )
+    register("ood-auroc", build_ood, OODConfig, reports=("uniform_auroc",))
 
 
 @hookimpl

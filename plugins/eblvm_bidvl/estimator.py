@@ -29,8 +29,8 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from eblvm.plugin import ConfigError, EnergyModel, Estimator, Parts, Posterior, non_negative, option, positive
 from eblvm_bidvl.nets import posterior_codes
-from eblvm_core.plugin_api import ConfigError, EnergyModel, Estimator, Parts, Posterior, non_negative, option, positive
 
 
 def gaussian_kl(mu: Tensor, log_std: Tensor) -> Tensor:

@@ -10,21 +10,20 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_bidvl.nets import posterior_codes
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     ConfigError,
     EnergyModel,
     EvalResult,
     NoConfig,
     Parts,
     Sampler,
-    evaluation_mode,
-    image_grid,
     option,
     positive,
     reporting,
     structure,
 )
+from eblvm.tools import evaluation_mode, image_grid
+from eblvm_bidvl.nets import posterior_codes
 
 
 class GeneratorSampler(Sampler):
@@ -63,8 +62,6 @@ def build_reconstruction(cfg: ReconstructionConfig, parts: Parts):
     {split}_rmse_batch_stats with each pass normalised by its own statistics (train mode, as the
     released BiDVL code's mse_score reads it, with its passes of 100); the running statistics are
     left as they were. Without batch norm the two are equal.
-
-    Reports: {split}_rmse, {split}_rmse_batch_stats
     """
     data = parts.need("data", "")
     parts.need("posterior", "")
@@ -126,8 +123,6 @@ def auroc(inliers: Tensor, outliers: Tensor) -> float:
 def build_ood(cfg: OODConfig, parts: Parts):
     """OOD detection by −E_ψ(v) (or −F(v)): the AUROC of in-distribution images against uniform noise
     (uniform_auroc) and against each of the `against` data sets (<kind>_auroc).
-
-    Reports: uniform_auroc
     """
     data = parts.need("data", "")
     model = parts.need("model", "")

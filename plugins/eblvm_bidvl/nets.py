@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrizations import spectral_norm
 
-from eblvm_core.plugin_api import ConfigError, EnergyModel, Parts, option, positive
+from eblvm.plugin import ConfigError, EnergyModel, Parts, option, positive
 
 
 def square_side(parts: Parts, section: str) -> tuple[int, int]:

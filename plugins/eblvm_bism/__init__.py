@@ -25,35 +25,37 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     Conditioned,
     ConfigError,
-    DifferentiableAdam,
     EnergyModel,
     Estimator,
-    Functional,
     Parts,
     Posterior,
     ScoreField,
+    hookimpl,
+    non_negative,
+    option,
+    positive,
+)
+from eblvm.tools import (
+    DifferentiableAdam,
+    Functional,
     SolveInfo,
     collectives_active,
     conjugate_gradient,
     fit_posterior,
     flat,
     grads_or_zeros,
-    hookimpl,
     hvp,
     mean_over_ranks,
     neumann,
-    non_negative,
-    option,
-    positive,
     sgd_step,
     trainable,
     unflat,
     weighted_mean,
 )
+from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
 
 
 def modified_score(model: EnergyModel | Conditioned, posterior: Posterior) -> ScoreField:
@@ -284,6 +286,8 @@ class BiSMImplicit(BiSM):
     from q's logits with no sampling, so it neither adds noise nor needs iterations. The mixed
     term ∂²_θφG·w is still the divergence's (exact with ``[divergence] exact = true``).
     """
+
+    not_graph_safe = "its conjugate-gradient and Neumann solves stop at a tolerance read on the host"
 
     def __init__(self, parts: Parts, inner_steps: int, solve: Callable[..., Any], block_damping: float | None = None):
         super().__init__(parts, inner_steps)

@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 import torch
 
-from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, exact_score, option, positive
+from eblvm.plugin import ConfigError, EvalResult, Evaluator, Parts, exact_score, option, positive
 
 
 @attrs.frozen
@@ -32,15 +32,15 @@ class GradientBiasConfig:
     seed: int = option(0, "seed of the batch, the noise and the posterior samples")
 
 
-class GradientBias:
+class GradientBias(Evaluator):
     """Evaluator: scalars ``bias_K{K}_N{N}`` (‖mean of the hypergradients − exact gradient‖), its
     ``_stderr`` (√(tr Cov / repeats): what that norm would be from Monte-Carlo noise alone, so a
     bias within about two of them is not resolved) and ``reference_norm`` (‖exact gradient‖)."""
 
     @property
-    def reports(self) -> list[str]:
+    def reports(self) -> tuple[str, ...]:
         keys = [f"bias_K{k}_N{n}" for k in self.cfg.inner_steps for n in self.cfg.unroll_steps]
-        return ["reference_norm"] + keys + [f"{key}_stderr" for key in keys]
+        return ("reference_norm", *keys, *(f"{key}_stderr" for key in keys))
 
     def __init__(self, cfg: GradientBiasConfig, parts: Parts):
         self.cfg = cfg
@@ -68,8 +68,8 @@ class GradientBias:
         reference = torch.cat([g.flatten() for g in exact])
         scalars = {"reference_norm": float(reference.norm())}
         for k in cfg.inner_steps:
-            local = parts.evolve(posterior=copy.deepcopy(parts.posterior))
-            local.strict_roles = False  # the recipe's [optim.posterior] if any, else Adam at 1e-3
+            # the recipe's [optim.posterior] if any, else Adam at 1e-3
+            local = parts.evolve(posterior=copy.deepcopy(parts.posterior), roles_from_recipe=False)
             estimator = BiSMUnrolled(local, k, 0, cfg.unroll, cfg.inner_lr)
             estimator.fit_posterior(x, weights=parts.objective.point_weights(context))
             for n in cfg.unroll_steps:

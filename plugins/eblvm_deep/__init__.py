@@ -1,6 +1,6 @@
 """Deep plugin: the papers' ResNet EBLVM and fully visible EBM on images, and annealed Langevin sampling."""
 
-from eblvm_core.plugin_api import hookimpl
+from eblvm.plugin import hookimpl
 from eblvm_deep.langevin import AnnealedLangevin, LangevinConfig, build_langevin, temperatures
 from eblvm_deep.models import (
     ResNetConfig,
@@ -22,4 +22,4 @@ def register_models(register):
 
 @hookimpl
 def register_samplers(register):
-    register("annealed-langevin", build_langevin, LangevinConfig)
+    register("annealed-langevin", build_langevin, LangevinConfig, default_for=("resnet-eblvm", "resnet-ebm"))

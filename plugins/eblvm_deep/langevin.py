@@ -21,18 +21,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    DataSplits,
-    EnergyModel,
-    Parts,
-    Posterior,
-    Sampler,
-    evaluation_mode,
-    non_negative,
-    option,
-    positive,
-)
+from eblvm.plugin import ConfigError, DataSplits, EnergyModel, Parts, Posterior, Sampler, non_negative, option, positive
+from eblvm.tools import evaluation_mode
 
 
 def temperatures(t_max: float, hot: int, anneal: int, cool: int) -> list[float]:
@@ -155,6 +145,3 @@ def build_langevin(cfg: LangevinConfig, parts: Parts) -> AnnealedLangevin:
     if mode == "via-q" and parts.posterior is None:
         raise ConfigError("sampler", "mode", "via-q sampling needs a [posterior] for E_q[h | v]")
     return AnnealedLangevin(cfg, data, parts.posterior)
-
-
-build_langevin.default_for = ("resnet-eblvm", "resnet-ebm")  # the sampler `eblvm sample` uses for these models

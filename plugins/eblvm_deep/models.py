@@ -18,7 +18,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from eblvm_core.plugin_api import Conditioned, ConfigError, EnergyModel, LatentSpec, Parts, option, positive
+from eblvm.plugin import Conditioned, ConfigError, EnergyModel, LatentSpec, Parts, option, positive
 from eblvm_deep.nets import ResNetFeatures, SquaredELU, spectrally_normalise, to_channels_last
 
 PRESETS = {"mnist": (64, 2), "cifar10": (128, 3), "celeba": (128, 3)}  # width, blocks per stage

@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     ConfigError,
     DataSplits,
     Divergence,
@@ -167,8 +167,6 @@ def build_posterior_fisher(cfg: PosteriorFisherConfig, parts: Parts) -> Callable
     """Posterior Fisher divergence D_F(q(h|v) ‖ p(h|v)) of Eq. 11 on a data split (continuous h only).
 
     Exact, not up to a constant: ∇_h log p(h|v) = −∇_h E(v, h) because p(v) does not depend on h.
-
-    Reports: {split}_posterior_fisher, {split}_posterior_fisher_stderr
     """
     model = parts.need("model", "")
     data = parts.need("data", "")
@@ -208,4 +206,9 @@ def register_divergences(register):
 
 @hookimpl
 def register_evaluators(register):
-    register("posterior-fisher", build_posterior_fisher, PosteriorFisherConfig)
+    register(
+        "posterior-fisher",
+        build_posterior_fisher,
+        PosteriorFisherConfig,
+        reports=("{split}_posterior_fisher", "{split}_posterior_fisher_stderr"),
+    )

@@ -3,7 +3,7 @@
 import functools
 from collections.abc import Callable
 
-from eblvm_core.plugin_api import EvalResult, Parts, hookimpl
+from eblvm.plugin import EvalResult, Parts, hookimpl
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
 from eblvm_grbm.evaluators import ExactLoglikConfig, PosteriorKLConfig, build_exact_loglik, build_posterior_kl
@@ -31,15 +31,38 @@ def build_announced_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[
 
 @hookimpl
 def register_evaluators(register):
-    register("exact-loglik", build_exact_loglik, ExactLoglikConfig)
-    register("ais-loglik", build_announced_ais_loglik, AISLoglikConfig)
-    register("score-loss", build_score_loss, ScoreLossConfig)
-    register("posterior-kl", build_posterior_kl, PosteriorKLConfig)
+    register("exact-loglik", build_exact_loglik, ExactLoglikConfig, reports=("{split}_loglik", "{split}_loglik_stderr"))
+    register(
+        "ais-loglik",
+        build_announced_ais_loglik,
+        AISLoglikConfig,
+        reports=(
+            "{split}_loglik",
+            "{split}_loglik_stderr",
+            "{split}_loglik_reverse",
+            "log_z",
+            "log_z_stderr",
+            "log_z_ess",
+            "log_z_reverse",
+            "log_z_reverse_stderr",
+            "log_z_reverse_ess",
+            "log_z_gap",
+        ),
+    )
+    register(
+        "score-loss", build_score_loss, ScoreLossConfig, reports=("{split}_score_loss", "{split}_score_loss_stderr")
+    )
+    register(
+        "posterior-kl",
+        build_posterior_kl,
+        PosteriorKLConfig,
+        reports=("{split}_posterior_kl", "{split}_posterior_kl_stderr"),
+    )
 
 
 @hookimpl
 def register_samplers(register):
-    register("gibbs", build_gibbs, GibbsConfig)
+    register("gibbs", build_gibbs, GibbsConfig, default_for=("grbm",))
 
 
 @hookimpl

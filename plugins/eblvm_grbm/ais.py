@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
+from eblvm.plugin import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
 from eblvm_grbm.gibbs import gibbs_chain, require_grbm
 from eblvm_grbm.model import GRBM
 
@@ -176,11 +176,7 @@ class AISLoglikConfig:
 
 
 def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Mean log p(v), log Z by forward AIS from a base-rate model, checked by reverse AIS; warns on a gap or low ESS.
-
-    Reports: {split}_loglik, {split}_loglik_stderr, {split}_loglik_reverse, log_z, log_z_stderr, log_z_ess,
-    log_z_reverse, log_z_reverse_stderr, log_z_reverse_ess, log_z_gap
-    """
+    """Mean log p(v), log Z by forward AIS from a base-rate model, checked by reverse AIS; warns on a gap or low ESS."""
     require_grbm(parts.need("model", ""), "", "ais-loglik")
     data = parts.need("data", "")
     if cfg.n_temps < 2:

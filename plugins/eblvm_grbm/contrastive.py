@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import Estimator, Parts, non_negative, option, positive
+from eblvm.plugin import Estimator, Parts, non_negative, option, positive
 from eblvm_grbm.gibbs import gibbs_chain, initial_states, require_grbm
 from eblvm_grbm.model import GRBM
 
@@ -31,6 +31,7 @@ class ContrastiveDivergence(Estimator):
     with a data point and the metrics report the mean squared reconstruction distance."""
 
     pairs_with_data = True
+    graph_safe = True  # the same kernels on same-shaped tensors each step, tensors as metrics, state updated in place
 
     def __init__(self, model: GRBM, k: int, parts: Parts):
         self.model, self.k = model, k
@@ -62,7 +63,8 @@ class PersistentCD(ContrastiveDivergence):
         self.chains = chains
 
     def negatives(self, batch: Tensor) -> Tensor:
-        self.chains = gibbs_chain(self.model, self.chains, self.k)
+        with torch.no_grad():
+            self.chains.copy_(gibbs_chain(self.model, self.chains, self.k))  # in place: a replayed step updates it
         return self.chains
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, option, positive, reporting
+from eblvm.plugin import ConfigError, EvalResult, Parts, option, positive, reporting
 from eblvm_grbm.model import MAX_ENUMERATED_HIDDEN, default_chunk
 
 ANNOUNCE_STATES = 2**24  # enumerations of more hidden states than this say how long they will take
@@ -43,8 +43,6 @@ class ExactLoglikConfig:
 def build_exact_loglik(cfg: ExactLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
     """Mean exact log p(v) in nats, enumerating the 2^m hidden states for log Z, and its standard
     error over the split's points (sample sd / √n: the test set's own sampling error).
-
-    Reports: {split}_loglik, {split}_loglik_stderr
     """
     model = parts.need("model", "")
     data = parts.need("data", "")
@@ -137,10 +135,7 @@ def bernoulli_kl(q_logits: torch.Tensor, p_logits: torch.Tensor) -> torch.Tensor
 
 
 def build_posterior_kl(cfg: PosteriorKLConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Exact KL(q(h|v) ‖ p(h|v)) of a factorised Bernoulli posterior against a GRBM's, which factorises too: how good q is.
-
-    Reports: {split}_posterior_kl, {split}_posterior_kl_stderr
-    """
+    """Exact KL(q(h|v) ‖ p(h|v)) of a factorised Bernoulli posterior against a GRBM's, which factorises too: how good q is."""
     from eblvm_grbm.gibbs import require_grbm
 
     require_grbm(parts.need("model", ""), "", "posterior-kl")

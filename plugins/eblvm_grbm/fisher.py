@@ -10,7 +10,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, EnergyModel, EvalResult, Parts, exact_score, option, positive, reporting
+from eblvm.plugin import ConfigError, EnergyModel, EvalResult, Parts, exact_score, option, positive, reporting
 
 
 def score_matching_loss(
@@ -59,8 +59,6 @@ class ScoreLossConfig:
 def build_score_loss(cfg: ScoreLossConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
     """Score-matching loss ½‖s‖² + tr ∇s of the exact marginal score on a data split (the Fisher
     divergence up to a data constant).
-
-    Reports: {split}_score_loss, {split}_score_loss_stderr
     """
     model = parts.need("model", "")
     data = parts.need("data", "")

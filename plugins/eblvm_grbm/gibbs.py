@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, DataSplits, EnergyModel, Parts, Sampler, non_negative, option, positive
+from eblvm.plugin import ConfigError, DataSplits, EnergyModel, Parts, Sampler, non_negative, option, positive
 from eblvm_grbm.model import GRBM
 
 
@@ -111,6 +111,3 @@ def build_gibbs(cfg: GibbsConfig, parts: Parts) -> GibbsSampler:
     if parts.model is not None:
         require_grbm(parts.model, "sampler", "the gibbs sampler")
     return GibbsSampler(cfg, parts.data)
-
-
-build_gibbs.default_for = ("grbm",)  # the sampler `eblvm sample` uses for these model kinds

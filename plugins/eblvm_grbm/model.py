@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eblvm_core.plugin_api import EnergyModel, LatentSpec, Parts, option, positive
+from eblvm.plugin import EnergyModel, LatentSpec, Parts, option, positive
 
 # Exact log Z costs ~100 ns per hidden state on two CPU cores at d = 2 (~600 ns at d = 560):
 # 2^40 ≈ 1.1e12 states is one to eight days there, the most the enumeration may be asked for.

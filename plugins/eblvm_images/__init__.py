@@ -1,7 +1,7 @@
 """Image data sets: Frey face (the GRBM experiments), MNIST, CIFAR-10, CelebA, SVHN and
 scikit-learn's digits (the deep-EBLVM and BiDVL experiments), and folders of image files."""
 
-from eblvm_core.plugin_api import hookimpl
+from eblvm.plugin import hookimpl
 from eblvm_images.folder import ImageFolderConfig, image_folder
 from eblvm_images.freyface import FreyFaceConfig, freyface
 from eblvm_images.standard import (

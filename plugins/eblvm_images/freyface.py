@@ -16,7 +16,7 @@ import attrs
 import numpy as np
 import torch
 
-from eblvm_core.plugin_api import ConfigError, DataError, DataSplits, Parts, non_negative, option, positive
+from eblvm.plugin import ConfigError, DataError, DataSplits, Parts, non_negative, option, positive
 
 FILE = "frey_rawface.mat"
 URL = "https://cs.nyu.edu/~roweis/data/frey_rawface.mat"
@@ -36,7 +36,8 @@ class FreyFaceConfig:
 
 
 def load_frey(path: Path) -> np.ndarray:
-    """The frames of ``frey_rawface.mat`` as uint8 (N, 28, 20); DataError if absent or malformed."""
+    """The frames of ``frey_rawface.mat`` as uint8 (N, 28, 20); DataError if absent, truncated or
+    malformed, naming the file and what to do."""
     fix = f"download {URL} into that folder, or point [data] root at the folder that holds it (-o data.root=/path)"
     if not path.is_file():
         raise DataError(f"{path}: Frey face file not found; {fix}", key="root")
@@ -44,8 +45,10 @@ def load_frey(path: Path) -> np.ndarray:
 
     try:
         content = scipy.io.loadmat(str(path))
-    except Exception as exc:  # scipy raises several types for corrupt or non-MATLAB files
-        raise DataError(f"{path}: not a readable MATLAB file ({exc}); {fix}", key="root") from None
+    except Exception as exc:  # scipy raises several types for truncated, corrupt or non-MATLAB files
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        again = f"delete it and download {URL} again, or point [data] root at a good copy (-o data.root=/path)"
+        raise DataError(f"{path}: not a readable MATLAB file ({reason}); {again}", key="root") from None
     if "ff" not in content:
         found = ", ".join(k for k in content if not k.startswith("__")) or "none"
         raise DataError(f"{path}: no variable 'ff' (found: {found}); expected Roweis' {FILE}: {fix}", key="root")

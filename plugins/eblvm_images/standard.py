@@ -5,12 +5,17 @@
 MNIST, CIFAR-10 and digits are held in memory as uint8 images; CelebA is read from its JPEG
 files by DataLoader workers. All are scaled to [0, 1] (or [−1, 1]) on the device, with optional
 dequantisation noise and flips during training (``eblvm_core.data.ImageOptions``).
+
+Every file is read inside ``data_file``: a truncated or damaged one (an interrupted download) is
+one line naming it and what to do, as is a download through torchvision that fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import pickle
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import attrs
@@ -18,17 +23,35 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    DataSplits,
-    ImageOptions,
-    Parts,
-    image_pipeline,
-    non_negative,
-    option,
-    positive,
-)
+from eblvm.plugin import ConfigError, DataSplits, Parts, non_negative, option, positive
+from eblvm.tools import ImageOptions, image_pipeline, reading
 from eblvm_images.folder import ImageFiles
+
+# What to do about a damaged file: one a data set downloads, and one it does not.
+REFETCH = "delete it and download it again (-o data.download=true), or point data.root at a good copy"
+REPLACE = "replace it with a good copy, or point data.root at a folder that holds one (-o data.root=/path)"
+
+
+@contextlib.contextmanager
+def data_file(path: Path, what: str, fix: str = REFETCH, also: tuple[type[Exception], ...] = ()) -> Iterator[None]:
+    """Within the block, what a truncated, damaged or unreadable ``path`` raises is one DataError
+    naming it, the reader's reason and ``fix`` (``eblvm.tools.reading``, on [data] root). ``also``:
+    errors of the file's format that ``reading`` does not catch (MATLAB's, torchvision's), handed to it as a ValueError with their message so that it words them alike."""
+    with reading(path, what, fix=fix):
+        try:
+            yield
+        except also as exc:
+            lines = str(exc).strip().splitlines()
+            raise ValueError(lines[0].rstrip(":") if lines else type(exc).__name__) from exc  # reading words it
+
+
+def download(what: str, folder: Path, fetch: Callable[[], object]) -> None:
+    """``fetch()``: torchvision downloading ``what`` into ``folder`` (and reading it back). A
+    download that fails (no network, a file that fails its checksum) or a damaged file it reads (a
+    half-downloaded archive) is one line naming the folder."""
+    fix = f"delete what an interrupted download left in {folder} and try again, or put the files there yourself"
+    with data_file(folder, f"{what} files torchvision downloads", fix, also=(RuntimeError,)):
+        fetch()
 
 
 def in_memory(
@@ -108,18 +131,20 @@ class MNISTConfig(ImageOptions):
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """An idx file (gzip'd or not) as a uint8 array shaped by its header."""
+    """An idx file (gzip'd or not) as a uint8 array shaped by its header; a truncated or damaged
+    file (gzip's, or one whose header and size disagree) is a DataError naming it."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        raw = fh.read()
-    if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
-        raise ValueError(f"{path} is not an idx file of unsigned bytes")
-    ndim = raw[3]
-    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
-    data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-    if data.size != int(np.prod(dims)):
-        raise ValueError(f"{path}: header says {dims}, the file holds {data.size} bytes")
-    return data.reshape(dims)
+    with data_file(path, "MNIST idx file"):
+        with opener(path, "rb") as fh:
+            raw = fh.read()
+        if len(raw) < 4 or raw[:2] != b"\x00\x00" or raw[2] != 0x08:
+            raise ValueError("not an idx file of unsigned bytes")
+        ndim = raw[3]
+        dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+        data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
+        if data.size != int(np.prod(dims)):
+            raise ValueError(f"its header says {dims}, it holds {data.size} bytes of pixels")
+        return data.reshape(dims)
 
 
 def find_file(root: Path, name: str) -> Path | None:
@@ -138,8 +163,11 @@ def mnist(cfg: MNISTConfig, parts: Parts) -> DataSplits:
     if any(find_file(root, n) is None for n in names) and cfg.download and not parts.dry_run:
         from torchvision.datasets import MNIST
 
-        MNIST(str(root), train=True, download=True)
-        MNIST(str(root), train=False, download=True)
+        def fetch() -> None:
+            for train in (True, False):
+                MNIST(str(root), train=train, download=True)
+
+        download("MNIST", root / "MNIST" / "raw", fetch)
     missing = [n for n in names if find_file(root, n) is None]
     if missing:
         return stand_in_or_fail(
@@ -150,11 +178,8 @@ def mnist(cfg: MNISTConfig, parts: Parts) -> DataSplits:
         )
     splits, labels = {}, {}
     for split, (images, targets) in MNIST_FILES.items():
-        try:
-            x = torch.from_numpy(read_idx(find_file(root, images)).copy()).unsqueeze(1)
-            labels[split] = torch.from_numpy(read_idx(find_file(root, targets)).astype(np.int64))
-        except ValueError as exc:
-            raise ConfigError("", "root", str(exc)) from None
+        x = torch.from_numpy(read_idx(find_file(root, images)).copy()).unsqueeze(1)
+        labels[split] = torch.from_numpy(read_idx(find_file(root, targets)).astype(np.int64))
         splits[split] = torch.nn.functional.pad(x, [cfg.pad] * 4)
     train, train_labels, val, val_labels = split_off_val(splits["train"], labels["train"], cfg.n_val)
     labels = {"train": train_labels, "test": labels["test"], **({"val": val_labels} if val is not None else {})}
@@ -177,6 +202,33 @@ class CIFAR10Config(ImageOptions):
     download: bool = option(False, "download cifar-10-batches-py into root with torchvision when absent")
 
 
+def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """One of the official python batches (pickled numpy arrays, the data set's own format) as
+    uint8 images (N, 3, 32, 32) and labels; a truncated or damaged one is a DataError naming it."""
+    with data_file(path, "CIFAR-10 batch", also=(AttributeError, TypeError)):
+        with open(path, "rb") as fh:
+            batch = pickle.load(fh, encoding="latin1")
+        return np.asarray(batch["data"]).reshape(-1, 3, 32, 32), np.asarray(batch["labels"])
+
+
+def read_batches(folder: Path, names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The images and labels of several batches, concatenated."""
+    read = [read_batch(folder / name) for name in names]
+    return np.concatenate([x for x, _ in read]), np.concatenate([y for _, y in read])
+
+
+def read_npz(path: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """x_train, y_train (images (N, 3, 32, 32)), x_test, y_test from an .npz of (N, 32, 32, 3)
+    uint8 images; a truncated or damaged archive is a DataError naming it."""
+    with data_file(path, "CIFAR-10 .npz file", REPLACE), np.load(path) as archive:
+        return (
+            archive["x_train"].transpose(0, 3, 1, 2),
+            archive["y_train"],
+            archive["x_test"].transpose(0, 3, 1, 2),
+            archive["y_test"],
+        )
+
+
 def cifar10(cfg: CIFAR10Config, parts: Parts) -> DataSplits:
     """CIFAR-10 (50,000 train + 10,000 test colour 32×32 images) from the official python batches or an npz file."""
     root = Path(cfg.root).expanduser()
@@ -184,24 +236,13 @@ def cifar10(cfg: CIFAR10Config, parts: Parts) -> DataSplits:
     if not batches.is_dir() and cfg.download and not parts.dry_run:
         from torchvision.datasets import CIFAR10
 
-        CIFAR10(str(root), train=True, download=True)
+        download("CIFAR-10", root, lambda: CIFAR10(str(root), train=True, download=True))
     npz = sorted(root.glob("*.npz")) if root.is_dir() else []
     if batches.is_dir():
-
-        def load(names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-            parts_ = []
-            for name in names:
-                with open(batches / name, "rb") as fh:  # the data set's own format: pickled numpy arrays
-                    parts_.append(pickle.load(fh, encoding="latin1"))
-            x = np.concatenate([p["data"] for p in parts_]).reshape(-1, 3, 32, 32)
-            return x, np.concatenate([p["labels"] for p in parts_])
-
-        x_train, y_train = load([f"data_batch_{i}" for i in range(1, 6)])
-        x_test, y_test = load(["test_batch"])
+        x_train, y_train = read_batches(batches, [f"data_batch_{i}" for i in range(1, 6)])
+        x_test, y_test = read_batches(batches, ["test_batch"])
     elif npz:
-        with np.load(npz[0]) as archive:
-            x_train, y_train = archive["x_train"].transpose(0, 3, 1, 2), archive["y_train"]
-            x_test, y_test = archive["x_test"].transpose(0, 3, 1, 2), archive["y_test"]
+        x_train, y_train, x_test, y_test = read_npz(npz[0])
     else:
         return stand_in_or_fail(
             parts, f"no cifar-10-batches-py/ or .npz in {root} (or set download = true)", (3, 32, 32), cfg
@@ -226,27 +267,37 @@ class SVHNConfig(ImageOptions):
     download: bool = option(False, "download the files into root with torchvision when absent")
 
 
-def svhn(cfg: SVHNConfig, parts: Parts) -> DataSplits:
-    """SVHN cropped digits (73,257 train + 26,032 test colour 32×32 images) from its .mat files (an OOD set for CIFAR-10)."""
+def read_svhn(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Images (N, 3, 32, 32) and labels 0..9 (the file labels 0 as 10) of an SVHN .mat file; a
+    truncated, damaged or other file is a DataError naming it."""
     import scipy.io
 
+    with data_file(path, "SVHN .mat file", also=(scipy.io.matlab.MatReadError, TypeError)):
+        content = scipy.io.loadmat(str(path))
+        if "X" not in content or "y" not in content or content["X"].shape[:3] != (32, 32, 3):
+            raise ValueError("expected variables X of shape (32, 32, 3, N) and y of the N labels")
+        return content["X"].transpose(3, 2, 0, 1), content["y"].astype(np.int64).flatten() % 10
+
+
+def svhn(cfg: SVHNConfig, parts: Parts) -> DataSplits:
+    """SVHN cropped digits (73,257 train + 26,032 test colour 32×32 images) from its .mat files (an OOD set for CIFAR-10)."""
     root = Path(cfg.root).expanduser()
     files = {split: root / f"{split}_32x32.mat" for split in ("train", "test")}
     if not all(f.is_file() for f in files.values()) and cfg.download and not parts.dry_run:
         from torchvision.datasets import SVHN
 
-        for split in files:
-            SVHN(str(root), split=split, download=True)
+        def fetch() -> None:
+            for split in files:
+                SVHN(str(root), split=split, download=True)
+
+        download("SVHN", root, fetch)
     missing = [str(f) for f in files.values() if not f.is_file()]
     if missing:
         return stand_in_or_fail(parts, f"{missing[0]} not found (or set download = true)", (3, 32, 32), cfg)
     splits, labels = {}, {}
     for split, path in files.items():
-        content = scipy.io.loadmat(str(path))
-        if "X" not in content or content["X"].shape[:3] != (32, 32, 3):
-            raise ConfigError("", "root", f"{path}: expected a variable X of shape (32, 32, 3, N)")
-        splits[split] = torch.from_numpy(np.ascontiguousarray(content["X"].transpose(3, 2, 0, 1)))
-        labels[split] = torch.from_numpy(content["y"].astype(np.int64).flatten() % 10)  # the file labels 0 as 10
+        x, y = read_svhn(path)
+        splits[split], labels[split] = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y)
     return in_memory(splits["train"], splits["test"], labels, cfg)
 
 
@@ -263,6 +314,14 @@ class CelebAConfig(ImageOptions):
     crop: int = option(140, "side of the centre crop of the 178×218 aligned images", positive)
 
 
+def read_partition(path: Path) -> dict[str, str]:
+    """list_eval_partition.txt: each file name's split code (0 train, 1 val, 2 test); a damaged
+    file is a DataError naming it."""
+    fix = "replace it with CelebA's own, or remove it to split 80/10/10 in file order"
+    with data_file(path, "CelebA partition file", fix):
+        return dict(line.split() for line in path.read_text().splitlines() if line.strip())
+
+
 def celeba(cfg: CelebAConfig, parts: Parts) -> DataSplits:
     """CelebA from its aligned JPEGs: centre-cropped, resized, split by list_eval_partition.txt (else 80/10/10 in file order)."""
     root = Path(cfg.root).expanduser()
@@ -272,7 +331,7 @@ def celeba(cfg: CelebAConfig, parts: Parts) -> DataSplits:
         return stand_in_or_fail(parts, f"no JPEG files in {folder}", (3, cfg.size, cfg.size), cfg)
     partition = root / "list_eval_partition.txt"
     if partition.is_file():
-        which = dict(line.split() for line in partition.read_text().splitlines() if line.strip())
+        which = read_partition(partition)
         groups = {
             s: [f for f in files if which.get(f.name) == code]
             for s, code in (("train", "0"), ("val", "1"), ("test", "2"))

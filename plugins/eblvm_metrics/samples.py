@@ -8,18 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    EvalResult,
-    Parts,
-    Sampler,
-    image_grid,
-    non_negative,
-    option,
-    positive,
-    reporting,
-    structure,
-)
+from eblvm.plugin import ConfigError, EvalResult, Parts, Sampler, non_negative, option, positive, reporting, structure
+from eblvm.tools import image_grid
 
 
 @attrs.frozen
@@ -124,8 +114,6 @@ def build_sample_classes(cfg: SampleClassesConfig, parts: Parts) -> Callable[[Pa
     data's range; for each it reports the mean top-class probability (confidence) and the entropy of
     the histogram of labels (variety; log 10 = 2.30 for ten equally frequent digits), and the
     classifier's test accuracy. No Inception network: for small images such as the 8×8 digits.
-
-    Reports: samples_confidence, samples_label_entropy, test_confidence, test_label_entropy, noise_confidence, noise_label_entropy, classifier_accuracy
     """
     parts.need("model", "")
     data = parts.need("data", "")

@@ -1,6 +1,6 @@
 """NCE plugin: noise-contrastive estimation (``nce``) and variational NCE (``vnce``)."""
 
-from eblvm_core.plugin_api import hookimpl
+from eblvm.plugin import hookimpl
 from eblvm_nce.estimators import NCE, VNCE, NCEConfig, VNCEConfig, build_nce, build_vnce, nce_loss
 
 __all__ = ["NCE", "VNCE", "NCEConfig", "VNCEConfig", "nce_loss"]

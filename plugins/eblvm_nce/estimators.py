@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     ConfigError,
     DataSplits,
     Divergence,
@@ -128,6 +128,7 @@ class NCE(Estimator):
     scalar stepped by the model's optimizer and checkpointed in ``state_dict``."""
 
     roles = ("model",)
+    not_graph_safe = "torch.distributions, which draws and scores its noise, reads values on the host"
 
     def __init__(self, model: EnergyModel, noise: GaussianNoise, nu: float, parts: Parts):
         self.model, self.noise, self.nu = model, noise, nu

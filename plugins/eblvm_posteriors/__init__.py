@@ -12,16 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _module_hooks
 
-from eblvm_core.plugin_api import (
-    ConfigError,
-    Parts,
-    Posterior,
-    collectives_active,
-    hookimpl,
-    mean_over_ranks,
-    option,
-    positive,
-)
+from eblvm.plugin import ConfigError, Parts, Posterior, hookimpl, option, positive
+from eblvm.tools import collectives_active, mean_over_ranks
 
 Activation = Literal["elu", "relu", "softplus", "tanh", "silu"]
 ACTIVATIONS: dict[str, type[nn.Module]] = {

@@ -1,6 +1,6 @@
 """Score plugin: the SM, SSM, DSM and KSD objectives and the exact-score baseline estimator."""
 
-from eblvm_core.plugin_api import NoConfig, hookimpl
+from eblvm.plugin import NoConfig, hookimpl
 from eblvm_score.estimators import ExactScore, build_exact_score
 from eblvm_score.ksd import KSD, KSDConfig, build_ksd
 from eblvm_score.objectives import (

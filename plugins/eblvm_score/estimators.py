@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, EnergyModel, Estimator, NoConfig, Parts, ScoreObjective, exact_score
+from eblvm.plugin import ConfigError, EnergyModel, Estimator, NoConfig, Parts, ScoreObjective, exact_score
 
 
 class ExactScore(Estimator):

@@ -8,7 +8,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, Parts, ScoreObjective, option, positive, world_size
+from eblvm.plugin import ConfigError, Parts, ScoreObjective, option, positive
+from eblvm.tools import world_size
 
 
 @attrs.frozen

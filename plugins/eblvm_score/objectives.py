@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, NoConfig, Parts, ScoreField, ScoreObjective, option, positive
+from eblvm.plugin import ConfigError, NoConfig, Parts, ScoreField, ScoreObjective, option, positive
 
 
 def _leaf(x: Tensor) -> Tensor:

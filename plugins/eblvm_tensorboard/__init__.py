@@ -7,7 +7,7 @@ from pathlib import Path
 import attrs
 from torch import Tensor
 
-from eblvm_core.plugin_api import Logger, hookimpl, option, positive
+from eblvm.plugin import Logger, hookimpl, option, positive
 
 
 @attrs.frozen

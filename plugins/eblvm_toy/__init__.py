@@ -5,7 +5,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from eblvm_core.plugin_api import DataSplits, Parts, hookimpl, option, positive
+from eblvm.plugin import DataSplits, Parts, hookimpl, option, positive
 
 
 @attrs.frozen

@@ -5,7 +5,7 @@ read (``eblvm validate`` too), in one line naming its [[log]] section and the pi
 
 from __future__ import annotations
 
-from eblvm_core.plugin_api import hookimpl
+from eblvm.plugin import hookimpl
 
 from .csv_logger import CSVConfig, CSVLogger, build_csv
 from .mlflow_logger import MLflowConfig, MLflowLogger, build_mlflow
@@ -17,5 +17,5 @@ __all__ = ["CSVLogger", "MLflowLogger", "WandbLogger"]
 @hookimpl
 def register_loggers(register):
     register("csv", build_csv, CSVConfig)
-    register("wandb", build_wandb, WandbConfig)
-    register("mlflow", build_mlflow, MLflowConfig)
+    register("wandb", build_wandb, WandbConfig, requires="wandb", extra="wandb")
+    register("mlflow", build_mlflow, MLflowConfig, requires="mlflow", extra="mlflow")

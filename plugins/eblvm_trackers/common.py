@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import RECIPE
+from eblvm.tools import RECIPE
 
 
 def log_section(run_dir: Path, kind: str) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from eblvm_core.plugin_api import METRICS, Logger, option
+from eblvm.plugin import Logger, option
+from eblvm.tools import METRICS
 
 from .common import resolved_recipe
 

@@ -18,7 +18,8 @@ from typing import Any
 import attrs
 from torch import Tensor
 
-from eblvm_core.plugin_api import RECIPE, ConfigError, Logger, hyperparameters, option
+from eblvm.plugin import ConfigError, Logger, option
+from eblvm.tools import RECIPE, hyperparameters
 
 from .common import Guard, RunFile, first_line, image_array, log_section, resolved_recipe, run_label
 
@@ -218,7 +219,3 @@ def build_mlflow(config: MLflowConfig, run_dir: Path) -> MLflowLogger:
         raise ConfigError(
             log_section(run_dir, "mlflow"), None, f"cannot start the MLflow run: {first_line(exc)}"
         ) from None
-
-
-build_mlflow.requires = "mlflow"  # the optional package: validate and run refuse the recipe where it is missing
-build_mlflow.extra = "mlflow"  # how to install it: eblvm's extra, as eblvm is installed (plugins.install_hint)

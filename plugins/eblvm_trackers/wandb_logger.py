@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 import attrs
 from torch import Tensor
 
-from eblvm_core.plugin_api import RECIPE, ConfigError, Logger, option, positive
+from eblvm.plugin import ConfigError, Logger, option, positive
+from eblvm.tools import RECIPE
 
 from .common import Guard, RunFile, first_line, image_array, log_section, resolved_recipe, run_label
 
@@ -157,7 +158,3 @@ def build_wandb(config: WandbConfig, run_dir: Path) -> WandbLogger:
         return WandbLogger(config, run_dir)
     except Exception as exc:  # even offline, wandb could not start: one line, not a traceback
         raise ConfigError(log_section(run_dir, "wandb"), None, f"cannot start the W&B run: {first_line(exc)}") from None
-
-
-build_wandb.requires = "wandb"  # the optional package: validate and run refuse the recipe where it is missing
-build_wandb.extra = "wandb"  # how to install it: eblvm's extra, as eblvm is installed (plugins.install_hint)

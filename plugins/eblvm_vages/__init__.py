@@ -1,7 +1,7 @@
 """VaGES plugin: variational score (VaES) and score-gradient (VaGES) estimators, the
 importance-sampled score baseline, and the exact-Fisher critic evaluator."""
 
-from eblvm_core.plugin_api import hookimpl
+from eblvm.plugin import hookimpl
 from eblvm_vages.critic import CriticConfig, build_fisher_critic
 from eblvm_vages.estimators import ISConfig, VaGESConfig, build_is_score, build_vaes, build_vages
 
@@ -15,4 +15,4 @@ def register_estimators(register):
 
 @hookimpl
 def register_evaluators(register):
-    register("fisher-critic", build_fisher_critic, CriticConfig)
+    register("fisher-critic", build_fisher_critic, CriticConfig, reports=("fisher",))

@@ -14,10 +14,11 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     ConfigError,
     EnergyModel,
     EvalResult,
+    Evaluator,
     Parts,
     Posterior,
     exact_score,
@@ -65,7 +66,7 @@ def critic_objective(f: nn.Module, x: Tensor, s: Tensor, exact_trace: bool) -> T
     return (s * out).sum(-1) + trace - 0.5 * (out**2).sum(-1)
 
 
-class FisherCritic:
+class FisherCritic(Evaluator):
     """Evaluator: fits a fresh critic each call and reports ``fisher`` (nats per data point)."""
 
     reports = ("fisher",)
@@ -117,8 +118,5 @@ class FisherCritic:
 
 
 def build_fisher_critic(cfg: CriticConfig, parts: Parts) -> FisherCritic:
-    """Fisher divergence D_F(data ‖ model) by a trained MLP critic (VaES score for EBLVMs).
-
-    Reports: fisher
-    """
+    """Fisher divergence D_F(data ‖ model) by a trained MLP critic (VaES score for EBLVMs)."""
     return FisherCritic(cfg, parts)

@@ -20,7 +20,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import (
+from eblvm.plugin import (
     Conditioned,
     ConfigError,
     EnergyModel,
@@ -28,12 +28,11 @@ from eblvm_core.plugin_api import (
     Parts,
     Posterior,
     ScoreObjective,
-    condition_on,
-    fit_posterior,
     non_negative,
     option,
     positive,
 )
+from eblvm.tools import condition_on, fit_posterior
 
 
 def joint_scores(model: EnergyModel, x: Tensor, h: Tensor, graph: bool = True) -> tuple[Tensor, Tensor]:
@@ -281,6 +280,7 @@ class ImportanceScore(Estimator):
     """
 
     roles = ("model",)
+    graph_safe = True
 
     def __init__(self, parts: Parts, n_samples: int):
         self.model: EnergyModel = parts.need("model", "estimator")

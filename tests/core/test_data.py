@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from eblvm.testing import check_dataset, make
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.data import Batches, EpochOrder, ImageOptions, image_pipeline
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import check_dataset, make
 
 CPU = torch.device("cpu")
 

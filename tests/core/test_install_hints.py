@@ -40,7 +40,7 @@ def test_a_missing_tracker_names_the_command_for_this_install(cli, write_recipe,
 def test_fid_without_its_extra_names_the_command_for_this_install(monkeypatch):
     import eblvm_metrics.fid as fid_module
 
-    from eblvm_core.testing import make
+    from eblvm.testing import make
     from tests.plugins.deep.test_deep import GaussianEnergy, image_parts
 
     monkeypatch.setattr(fid_module.importlib.util, "find_spec", lambda name: None)

@@ -91,27 +91,35 @@ def test_no_import_circle_in_the_core():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
-@pytest.mark.parametrize("module", ["evaluate", "experiments.compare", "build", "state", "rundir", "checkpoint"])
+@pytest.mark.parametrize("module", ["saved", "build", "state", "rundir", "checkpoint", "plan"])
 def test_working_on_saved_runs_needs_no_training_loop(module):
-    """``eval``/``sample`` restore a run through the run-state and checkpoint modules; ``compare``
-    starts runs through ``session`` only (itself importing the loop), never the loop directly."""
-    graph = core_graph()
-    imported = below(graph, f"eblvm_core.{module}")
-    if module == "experiments.compare":
-        assert "eblvm_core.trainer" not in graph["eblvm_core.experiments.compare"]
-    else:
-        assert not {"eblvm_core.trainer", "eblvm_core.session"} & imported, imported
+    """``eval``/``sample`` restore a run through the run-state and checkpoint modules, never the loop."""
+    imported = below(core_graph(), f"eblvm_core.{module}")
+    assert not {"eblvm_core.trainer", "eblvm_core.session"} & imported, imported
 
 
-@pytest.mark.parametrize("module", ["build", "session", "trainer", "state"])
-def test_the_engine_does_not_import_the_commands_of_many_runs(module):
-    """``compare`` and its spec reach the CLI through the command hook; nothing that trains a run
-    imports them (or the CLI)."""
+@pytest.mark.parametrize("module", ["build", "session", "trainer", "state", "plan"])
+def test_the_engine_does_not_import_the_cli(module):
     reached = below(core_graph(), f"eblvm_core.{module}")
-    assert not {m for m in reached if m.startswith("eblvm_core.experiments") or m == "eblvm_core.cli"}, reached
+    assert "eblvm_core.cli" not in reached, reached
 
 
-PLUGIN_API = "eblvm_core.plugin_api"
+def test_the_core_imports_neither_the_experiments_nor_their_packages():
+    """compare, search and the Slurm launcher are a plugin (plugins/eblvm_experiments): nothing in the
+    core imports it, submitit or Optuna, anywhere in a file."""
+    for path in CORE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            assert not {"eblvm_experiments", "submitit", "optuna"} & set(tops), f"{path}: imports {tops}"
+    assert not (CORE / "experiments").exists()
+
+
+PUBLIC = {"eblvm", "eblvm.plugin", "eblvm.tools"}  # what a plugin may import of eblvm
 ENGINE = {"eblvm_core.trainer", "eblvm_core.session", "eblvm_core.build", "eblvm_core.state", "eblvm_core.cli"}
 
 
@@ -121,21 +129,26 @@ def plugin_packages() -> list[Path]:
     return [*bundled, ROOT / "examples" / "eblvm-renyi" / "eblvm_renyi"]
 
 
-def core_imports(path: Path) -> list[str]:
-    """The eblvm_core modules a file imports, anywhere in it (inside functions too)."""
+def eblvm_imports(path: Path) -> list[str]:
+    """The eblvm and eblvm_core modules a file imports, anywhere in it (inside functions too)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            mods = [node.module] if node.module != "eblvm_core" else [f"eblvm_core.{a.name}" for a in node.names]
+            mods = (
+                [node.module]
+                if node.module not in ("eblvm", "eblvm_core")
+                else [node.module]
+                + [f"{node.module}.{a.name}" for a in node.names if a.name in ("plugin", "tools", "testing")]
+            )
         elif isinstance(node, ast.Import):
             mods = [alias.name for alias in node.names]
         else:
             continue
-        found += [mod for mod in mods if mod.split(".")[0] == "eblvm_core"]
+        found += [mod for mod in mods if mod.split(".")[0] in ("eblvm", "eblvm_core")]
     return found
 
 
-def test_plugins_import_the_core_through_the_plugin_api_alone_and_no_other_plugin():
+def test_plugins_import_eblvm_through_its_public_modules_alone_and_no_other_plugin():
     packages = plugin_packages()
     names = {p.name for p in packages}
     for package in packages:
@@ -150,18 +163,83 @@ def test_plugins_import_the_core_through_the_plugin_api_alone_and_no_other_plugi
                     continue
                 for top in tops:
                     assert top not in names or top == package.name, f"{path}: imports plugin {top}"
-            wrong = [mod for mod in core_imports(path) if mod != PLUGIN_API]
-            assert not wrong, f"{path}: imports {wrong}; a plugin imports the core through {PLUGIN_API} alone"
+            wrong = [mod for mod in eblvm_imports(path) if mod not in PUBLIC]
+            assert not wrong, f"{path}: imports {wrong}; a plugin imports eblvm through {sorted(PUBLIC)} alone"
 
 
-def test_the_plugin_api_reaches_no_training_machinery():
+def public_graph() -> set[str]:
+    """The core modules the plugin modules reach."""
     graph = core_graph()
-    reached = below(graph, PLUGIN_API) | {PLUGIN_API}
-    assert not ENGINE & reached, ENGINE & reached
+    reached: set[str] = set()
+    for module in ("plugin", "tools"):
+        direct = imported_modules(ROOT / "eblvm" / f"{module}.py")
+        reached |= direct | {m for d in direct for m in below(graph, d)}
+    return reached
 
 
-def test_the_layer_check_sees_a_plugin_that_reaches_past_the_plugin_api(tmp_path):
+def test_the_plugin_modules_reach_no_training_machinery():
+    assert not ENGINE & public_graph(), ENGINE & public_graph()
+
+
+def test_the_layer_check_sees_a_plugin_that_reaches_past_the_public_modules(tmp_path):
     """The control: a file importing a core module directly, at the top or inside a function, is seen."""
     path = tmp_path / "plugin.py"
-    path.write_text("from eblvm_core.plugin_api import Parts\n\ndef f():\n    from eblvm_core import distributed\n")
-    assert core_imports(path) == [PLUGIN_API, "eblvm_core.distributed"]
+    path.write_text("from eblvm.plugin import Parts\n\ndef f():\n    from eblvm_core import distributed\n")
+    assert eblvm_imports(path) == ["eblvm.plugin", "eblvm_core"]
+
+
+def test_the_former_plugin_module_still_works_and_says_where_to_go():
+    import importlib
+    import sys
+    import warnings
+
+    sys.modules.pop("eblvm_core.plugin_api", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("eblvm_core.plugin_api")
+    assert any(issubclass(w.category, DeprecationWarning) and "eblvm.plugin" in str(w.message) for w in caught)
+    import eblvm.plugin
+    import eblvm.tools
+
+    assert old.Divergence is eblvm.plugin.Divergence and old.fit_posterior is eblvm.tools.fit_posterior
+
+
+def test_contributings_map_names_every_module_and_package_and_nothing_else():
+    """CONTRIBUTING.md's layout block lists each module of eblvm/ and eblvm_core/ (a name, or names
+    separated by commas) and each bundled plugin family; a file added or removed without the map
+    changing fails here."""
+    import re
+
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    layout = text[text.index("## Layout") : text.index("## How a plugin registers components")]
+    listed = set(re.findall(r"(?<![\w/.])([a-z_]+(?:\.py|/))(?=[ ,])", layout))
+    for package in ("eblvm", "eblvm_core"):
+        for path in (ROOT / package).iterdir():
+            if path.name.startswith("__") or path.name.startswith("."):
+                continue
+            name = path.name + "/" if path.is_dir() else path.name
+            if path.suffix == ".py" or path.is_dir():
+                assert name in listed, f"{package}/{name} is not in CONTRIBUTING.md's layout"
+    modules = {p.name for package in ("eblvm", "eblvm_core") for p in (ROOT / package).glob("*.py")}
+    directories = {
+        p.name + "/" for package in ("eblvm", "eblvm_core") for p in (ROOT / package).iterdir() if p.is_dir()
+    }
+    top = {
+        "eblvm/",
+        "eblvm_core/",
+        "plugins/",
+        "recipes/",
+        "tests/",
+        "benchmarks/",
+        "studies/",
+        "docs/",
+        "core/",
+        "e2e/",
+    }
+    stale = {name for name in listed if name.endswith(".py") and name not in modules}
+    stale |= {
+        name
+        for name in listed
+        if name.endswith("/") and name not in directories | top and not name.startswith("eblvm_")
+    }
+    assert not stale, f"CONTRIBUTING.md names what the tree does not hold: {sorted(stale)}"

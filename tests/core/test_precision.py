@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from eblvm.testing import make
 from eblvm_core.contracts import EnergyModel, exact_score
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import make
 from tests.support import RECIPES
 
 TOLERANCE = 0.02

@@ -93,7 +93,7 @@ def three_roles_plugin(monkeypatch):
 
 
 def train(write_recipe, tmp_path, *overrides, name="r.toml"):
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     return run(write_recipe(RECIPE, name), list(overrides), out=tmp_path / "runs", echo=lambda _line: None)
 
@@ -133,7 +133,7 @@ def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_
 
 @pytest.mark.slow
 def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, tmp_path):
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     recipe = write_recipe(
         RECIPE.replace("steps = 40", "steps = 600").replace("checkpoint_every = 5", "checkpoint_every = 20")
@@ -187,7 +187,7 @@ def test_the_nan_guard_covers_every_role(write_recipe, tmp_path, role, parameter
         train(write_recipe, tmp_path, f'estimator.poison_role="{role}"', "estimator.poison_step=10")
     message = str(info.value)
     assert message.startswith("step 10:") and f"parameter {parameter} (role '{role}') is not finite" in message
-    assert "(step 5)" in message
+    assert "(step 5; never evaluated)" in message
     (run_dir,) = list((tmp_path / "runs").glob("*/*"))
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
     assert state["step"] == 5
@@ -197,8 +197,8 @@ def test_the_nan_guard_covers_every_role(write_recipe, tmp_path, role, parameter
 def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
     """With [optim.generator] ema = 0.8 the evaluators (in training and in `eblvm eval`) see the
     averaged generator, which the checkpoint stores beside the live one."""
-    from eblvm_core.evaluate import load_run, run_evaluators
-    from eblvm_core.session import run
+    from eblvm_core.saved import load_run
+    from tests.support import session_run as run
 
     text = RECIPE.replace('kind = "sgd"\nlr = 1e-2', 'kind = "sgd"\nlr = 1e-2\nema = 0.8')
     run_dir, results = run(write_recipe(text, "ema.toml"), out=tmp_path / "runs", echo=lambda _line: None)
@@ -208,7 +208,7 @@ def test_evaluators_see_the_ema_of_a_role(write_recipe, tmp_path):
     assert results["eval/generator-norm/norm"] == pytest.approx(float(averaged), rel=1e-6)
     assert abs(float(averaged) - float(live)) > 1e-4
     loaded = load_run(run_dir)
-    assert run_evaluators(loaded).scalars["eval/generator-norm/norm"] == pytest.approx(float(averaged), rel=1e-6)
+    assert loaded.evaluate(echo=None).scalars["eval/generator-norm/norm"] == pytest.approx(float(averaged), rel=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

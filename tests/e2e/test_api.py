@@ -17,7 +17,7 @@ import torch
 import eblvm
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import ConfigError, EblvmError
-from tests.support import BISM, ROOT, SMALL_RECIPE
+from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters
 
 quiet = None  # echo=None: nothing printed
 
@@ -25,29 +25,6 @@ quiet = None  # echo=None: nothing printed
 def only_run_dir(out: Path) -> Path:
     ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
     return run_dir
-
-
-def tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint's trained state (networks, optimizers, EMA), by path."""
-    found = {}
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, torch.Tensor):
-            found[name] = value
-        elif isinstance(value, dict):
-            found.update(tensors(value, name + "/"))
-        elif isinstance(value, (list, tuple)):
-            found.update(tensors(dict(enumerate(value)), name + "/"))
-    return found
-
-
-def assert_same_parameters(a_dir: Path, b_dir: Path) -> None:
-    a, b = (ckpt.load(ckpt.last_checkpoint(d)) for d in (a_dir, b_dir))
-    ta = tensors({k: a[k] for k in ("networks", "roles")})
-    tb = tensors({k: b[k] for k in ("networks", "roles")})
-    assert ta.keys() == tb.keys() and ta
-    for key in ta:
-        assert torch.equal(ta[key], tb[key]), key
 
 
 def printed(output: str) -> dict[str, str]:
@@ -107,31 +84,6 @@ def test_a_dict_recipe_trains_as_its_file_does(cli, write_recipe, tmp_path):
     assert session["threads"] == 1 and session["command"].startswith("eblvm.train(<recipe dict>, overrides=[")
 
 
-def test_a_recipe_object_and_its_overrides(tmp_path):
-    recipe = eblvm.load_recipe(tomllib.loads(SMALL_RECIPE), {"run.steps": 12, "run.log_every": 4})
-    assert recipe.run.steps == 12 and recipe.path == "<recipe dict>"
-    a = eblvm.train(recipe, out=tmp_path / "a", echo=quiet)
-    b = eblvm.train(recipe.to_dict(), overrides=["run.steps=12"], out=tmp_path / "b", echo=quiet)
-    assert_same_parameters(a.run_dir, b.run_dir)
-    assert [r["step"] for r in a.history() if "train/loss" in r] == [4, 8, 12]
-    assert a.checkpoints() == ["last"]
-
-
-def test_train_resumes_a_run_as_the_command_line_does(tmp_path):
-    data = tomllib.loads(SMALL_RECIPE)
-    full = eblvm.train(data, out=tmp_path / "full", echo=quiet)
-    part = eblvm.train(data, overrides={"run.steps": 20}, out=tmp_path / "part", echo=quiet)
-    lines: list[str] = []
-    resumed = eblvm.train(resume=part.run_dir.parent, overrides={"run.steps": 30}, echo=lines.append)
-    assert resumed.run_dir == part.run_dir
-    assert any("a run name's folder; using its one run" in line for line in lines)
-    assert any(line == f"resuming {part.run_dir} at step 20" for line in lines)
-    assert_same_parameters(full.run_dir, resumed.run_dir)
-    assert resumed.metrics == full.metrics
-    again = eblvm.train(resume=part.run_dir, overrides={"run.steps": 30}, echo=quiet)
-    assert again.metrics == full.metrics  # finished: nothing trained, the final evaluation read back
-
-
 def test_errors_are_the_command_lines(tmp_path):
     bad = tomllib.loads(SMALL_RECIPE)
     bad["run"]["steps"] = 0
@@ -183,18 +135,6 @@ def test_load_gives_the_parts_and_evaluates_and_samples_as_the_commands_do(cli, 
     assert torch.equal(loaded.sampler.sample(loaded.model, 9, generator), samples)
 
 
-def test_record_does_what_eblvm_eval_does(tmp_path):
-    run = eblvm.train(tomllib.loads(SMALL_RECIPE), out=tmp_path / "runs", echo=quiet)
-    before = len(run.history())
-    run.evaluate(echo=quiet)
-    assert len(run.history()) == before, "evaluate() alone writes nothing"
-    result = run.evaluate(record=True, echo=quiet)
-    row = run.history()[-1]
-    assert row["checkpoint"] == "last" and row["step"] == 30
-    assert {k: v for k, v in row.items() if k.startswith("eval/")} == result.scalars
-    assert eblvm.Run(run.run_dir).metrics == run.metrics, "rows of eblvm eval are not the final evaluation"
-
-
 def test_importing_eblvm_is_cheap_and_python_m_eblvm_works():
     code = "import sys, eblvm; assert 'torch' not in sys.modules and 'eblvm_core.plugins' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
@@ -208,7 +148,7 @@ def test_importing_eblvm_is_cheap_and_python_m_eblvm_works():
 
 
 def test_override_values_are_written_as_toml():
-    from eblvm_core.api import override_list
+    from eblvm.api import override_list
 
     values = {"a.b": 1e-3, "a.c": "cosine", "a.d": [64, 64], "a.e": {"burn_in": 200, "final_mean": True}, "a.f": 'q"'}
     assert override_list(values) == [

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
+from eblvm.testing import tiny_grbm_setup
 from eblvm_core.checkpoint import last_checkpoint
 from eblvm_core.contracts import exact_score
-from eblvm_core.session import run
-from eblvm_core.testing import tiny_grbm_setup
 from tests.plugins.images.test_images import frey_images, write_frey
 from tests.support import RECIPES
+from tests.support import session_run as run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -64,7 +64,7 @@ def test_frey_face_recipes_train_on_cuda(recipe, tmp_path):
 
 def test_a_cuda_index_and_bf16_autocast_on_cuda(tmp_path):
     """`cuda:0` is accepted, and the bf16 DSM loss and gradient of a conv energy agree with fp32 on CUDA too."""
-    from eblvm_core.testing import make
+    from eblvm.testing import make
     from tests.core.test_precision import TOLERANCE, ConvEnergy, loss_and_gradient, relative
 
     torch.manual_seed(0)
@@ -168,6 +168,9 @@ def test_device_auto_trains_a_small_model_on_the_cpu_only_when_its_step_is_not_g
         ("grbm_bidsm.toml", ['estimator.unroll="adam"']),
         ("grbm_dsm.toml", []),
         ("grbm_ssm.toml", ['optim.model.kind="sgd"', "optim.model.lr=1e-3", "optim.model.momentum=0.9"]),
+        ("grbm_cd.toml", []),
+        ("grbm_pcd.toml", []),
+        ("grbm_isksd.toml", []),
     ],
 )
 def test_a_graph_replayed_step_trains_as_the_eager_step_does(recipe, overrides, tmp_path):

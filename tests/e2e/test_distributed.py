@@ -214,7 +214,7 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
 
     command = [sys.executable, "-m", "eblvm", "run", recipe, "--nproc-per-node", "2", "--out", tmp_path / "two"]
     two = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    from eblvm_core.session import run  # the one process: this one, while the two train
+    from tests.support import session_run as run  # the one process: this one, while the two train
 
     run(recipe, out=tmp_path / "one", echo=lambda _line: None)
     output = two.communicate(timeout=TIMEOUT)[0].decode()

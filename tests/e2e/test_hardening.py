@@ -1,16 +1,18 @@
-"""Around the training core: resume rules, the run lock, checkpoint checksums and corrupt
-checkpoints, Ctrl-C and SIGTERM, divergence, the file system, provenance."""
+"""Around the training core, as real processes and as every command sees it: a run killed (kill -9)
+and resumed records nothing twice; a second process on a run directory is refused; SIGINT and
+SIGTERM sent to a training process; a checkpoint of another recipe, of before an option existed,
+with a flipped bit or corrupt, refused alike by `run --resume`, `eval` and `sample`; errors that
+cross a worker process. (The modules' own tests are in tests/core/: test_session.py,
+test_guard.py, test_rundir.py, test_checkpoint.py, test_records.py.)"""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,45 +20,24 @@ import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
-from eblvm_core.rundir import RunLock, new_run_dir
-from tests.support import RECIPES, SMALL_RECIPE, kill_run_when, poison_at
+from tests.support import (
+    RECIPES,
+    SMALL_RECIPE,
+    flip_a_bit_of,
+    kill_run_when,
+    one_line,
+    only_run_dir,
+    snapshot,
+    train_small,
+)
 
 QUIET = lambda _line: None  # noqa: E731
-
-
-def only_run_dir(out: Path) -> Path:
-    (name_dir,) = list(out.iterdir())
-    (run_dir,) = list(name_dir.iterdir())
-    return run_dir
-
-
-def snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file of a run directory and its bytes, but the lock (which records its last holder)."""
-    return {
-        p.relative_to(run_dir).as_posix(): p.read_bytes()
-        for p in run_dir.rglob("*")
-        if p.is_file() and p.name != ".lock"
-    }
-
-
-def one_line(result, code: int = 2, label: str = "error") -> str:
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.strip().splitlines() if line.startswith(f"{label}: ")]
-    assert len(lines) == 1, result.output
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
     """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    from eblvm_core.session import run
-
-    folder = tmp_path_factory.mktemp("trained")
-    recipe = folder / "r.toml"
-    recipe.write_text(SMALL_RECIPE)
-    run_dir, _ = run(recipe, out=folder / "runs", echo=QUIET)
-    return run_dir
+    return train_small(tmp_path_factory.mktemp("trained"))
 
 
 @pytest.fixture
@@ -65,53 +46,11 @@ def run_copy(trained, tmp_path) -> Path:
     return Path(shutil.copytree(trained, tmp_path / "run"))
 
 
-# ---- resume: what may change, and nothing written on refusal -------------------------------------
-
-
-@pytest.mark.parametrize(
-    "override, fragment",
-    [
-        ("model.n_hidden=8", "[model] n_hidden: cannot change when resuming (the run has 4, the override gives 8)"),
-        ("optim.model.lr=0.5", "[optim.model] lr: cannot change when resuming"),
-        ("objective.sigma=0.2", "[objective] sigma: cannot change when resuming"),
-        ("run.seed=8", "[run] seed: cannot change when resuming"),
-        ("run.name=other", "[run] name: cannot change when resuming"),
-        ("run.steps=0", "[run] steps: must be > 0"),
-        ("run.steps=20", "[run] steps: 20 is below the checkpoint's step 30"),
-        ("model.n_hiden=8", "[model] n_hiden: unknown key"),
-    ],
-)
-def test_a_refused_resume_leaves_the_run_directory_unchanged(cli, run_copy, override, fragment):
-    before = snapshot(run_copy)
-    line = one_line(cli(["run", "--resume", run_copy, "-o", override]))
-    assert line.startswith(f"error: -o {override}: ") and fragment in line, line
-    assert snapshot(run_copy) == before
-    # and the run still resumes and evaluates as before
-    assert cli(["eval", run_copy]).exit_code == 0
-
-
-def test_resume_may_change_steps_intervals_and_evaluators(cli, run_copy):
-    result = cli(
-        ["run", "--resume", run_copy, "-o", "run.steps=40", "-o", "run.log_every=5", "-o", "eval.0.split=train"]
-    )
-    assert result.exit_code == 0, result.output
-    assert f"resuming {run_copy} at step 30" in result.output and "exact-loglik/train_loglik" in result.output
-    from eblvm_core.recipe import load_recipe
-
-    resolved = load_recipe(run_copy / "recipe.toml")
-    assert resolved.run.steps == 40 and resolved.run.log_every == 5 and resolved.evals[0].config.split == "train"
-    assert ckpt.read_checkpoint(ckpt.last_checkpoint(run_copy))["step"] == 40
-
-
-def test_a_finished_run_resumed_does_nothing_and_says_so(cli, run_copy):
-    before = snapshot(run_copy)
-    result = cli(["run", "--resume", run_copy])
-    assert result.exit_code == 0 and "finished at step 30: nothing to do" in result.output, result.output
-    assert snapshot(run_copy) == before
+# ---- a checkpoint of another recipe -----------------------------------------------------------------
 
 
 def test_a_checkpoint_from_another_recipe_is_refused(cli, run_copy, tmp_path, write_recipe):
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     other = write_recipe(SMALL_RECIPE.replace("sigma = 0.1", "sigma = 0.2"), name="o.toml")
     other_dir, _ = run(other, out=tmp_path / "other", echo=QUIET)
@@ -143,11 +82,14 @@ def test_a_checkpoint_from_before_an_option_existed_loads_while_the_option_keeps
     assert f"{path}: written by another recipe: optim.model.lr is None there and 0.01" in line, line
 
 
+# ---- a killed run, a second process ------------------------------------------------------------------
+
+
 @pytest.mark.slow
 def test_records_after_the_last_checkpoint_are_not_duplicated_on_resume(write_recipe, tmp_path):
     """Killed (kill -9) with metrics logged after its last checkpoint, then resumed: every training
     step is logged once, and the final parameters equal an uninterrupted run's."""
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     recipe = write_recipe(
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 200")
@@ -199,58 +141,7 @@ def test_a_second_process_on_a_run_directory_is_refused(cli, run_copy):
     assert cli(["run", "--resume", run_copy, "-o", "run.steps=40"]).exit_code == 0
 
 
-def test_the_lock_is_exclusive_and_released_without_a_trace(tmp_path):
-    first = RunLock(tmp_path).acquire()
-    with pytest.raises(Exception, match="in use by pid"):
-        RunLock(tmp_path).acquire()
-    first.release()
-    assert not (tmp_path / ".lock").exists()
-    RunLock(tmp_path).acquire().release()
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_a_lock_won_on_a_just_deleted_file_is_taken_again_on_the_file_at_the_path(tmp_path, monkeypatch):
-    """B opens the lock file, A releases (deleting it), B's flock then succeeds on the deleted file,
-    which a third process cannot see: B must notice and lock the file at the path instead."""
-    import eblvm_core.rundir as rundir
-
-    first = RunLock(tmp_path).acquire()
-    early = open(tmp_path / ".lock", "a+")  # noqa: SIM115 - handed to acquire below
-    first.release()
-    handles = [early]
-    monkeypatch.setattr(rundir, "open", lambda *a, **k: handles.pop() if handles else open(*a, **k), raising=False)
-    second = RunLock(tmp_path).acquire()
-    assert not handles and early.closed, "the early handle was not tried, or was kept"
-    assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
-    with pytest.raises(Exception, match="in use by pid"):
-        RunLock(tmp_path).acquire()
-    second.release()
-
-
-def test_a_finished_run_leaves_no_lock(cli, write_recipe, tmp_path):
-    assert cli(["run", write_recipe(), "--out", tmp_path / "runs"]).exit_code == 0
-    run_dir = only_run_dir(tmp_path / "runs")
-    assert (run_dir / "checkpoints" / "last.pt").exists() and not (run_dir / ".lock").exists()
-
-
-def test_a_kill_during_a_checkpoint_write_leaves_no_temporary_after_the_next_start(cli, run_copy):
-    stale = run_copy / "checkpoints" / ".last.pt.x1y2z3.tmp"
-    stale.write_bytes(b"")
-    assert cli(["run", "--resume", run_copy, "-o", "run.steps=40"]).exit_code == 0
-    assert not stale.exists() and sorted(p.name for p in (run_copy / "checkpoints").iterdir()) == ["last.pt"]
-
-
 # ---- checkpoints: checksums and corrupt files -----------------------------------------------------
-
-
-def flip_a_bit_of(path: Path, tensor: torch.Tensor) -> None:
-    """Flip the lowest bit of the first byte of ``tensor``'s data inside the checkpoint file."""
-    data = bytearray(path.read_bytes())
-    raw = tensor.contiguous().numpy().tobytes()
-    at = data.find(raw)
-    assert at >= 0 and data.find(raw, at + 1) < 0, "the tensor's bytes must occur once in the file"
-    data[at] ^= 1
-    path.write_bytes(bytes(data))
 
 
 def test_checkpoints_carry_a_checksum_that_catches_a_flipped_bit(cli, run_copy):
@@ -264,20 +155,6 @@ def test_checkpoints_carry_a_checksum_that_catches_a_flipped_bit(cli, run_copy):
     for command in (["eval", run_copy], ["sample", run_copy], ["run", "--resume", run_copy, "-o", "run.steps=40"]):
         line = one_line(cli(command))
         assert f"{path}: checksum mismatch" in line, line
-
-
-def test_the_checksum_covers_every_tensor_byte_and_plain_value():
-    state = {"format": 3, "step": 5, "networks": {"m": {"w": torch.arange(6.0).view(2, 3)}}, "best": None}
-    digest = ckpt.checksum(state)
-    assert ckpt.checksum(ckpt.seal(state)) == digest, "the checksum leaves itself out"
-    changed = [
-        {**state, "step": 6},
-        {**state, "best": 0.0},
-        {**state, "networks": {"m": {"w": torch.arange(6.0).view(3, 2)}}},  # same bytes, another shape
-        {**state, "networks": {"m": {"w": torch.arange(6.0, dtype=torch.float64).view(2, 3)}}},
-        {**state, "networks": {"m": {"w": torch.arange(6.0).view(2, 3).nextafter(torch.tensor(9.0))}}},
-    ]
-    assert all(ckpt.checksum(other) != digest for other in changed)
 
 
 def corrupt(kind: str, path: Path, tmp_path: Path) -> str:
@@ -357,7 +234,7 @@ def wait_for_training(out: Path, proc: subprocess.Popen, step: int = 20) -> None
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_recipe, tmp_path, signum):
     """The interrupted run, resumed, ends with the parameters of an uninterrupted run, bit for bit."""
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     recipe = write_recipe(
         SMALL_RECIPE.replace("steps = 30", "steps = 1500").replace("checkpoint_every = 10", "checkpoint_every = 100000")
@@ -383,192 +260,7 @@ def test_a_signal_writes_a_checkpoint_says_how_to_resume_and_exits_130(write_rec
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-# ---- divergence ------------------------------------------------------------------------------------
-
-
-def nan_sigma(built, metrics) -> None:
-    with torch.no_grad():
-        built.parts.model.log_sigma.fill_(float("nan"))
-
-
-def test_a_non_finite_parameter_stops_the_run_with_a_finite_loss(cli, write_recipe, tmp_path, monkeypatch):
-    poison_at(monkeypatch, 30, nan_sigma)  # after step 30's loss: only the parameter is not finite
-    out = tmp_path / "runs"
-    line = one_line(cli(["run", write_recipe(), "--out", out]), code=3)
-    assert "step 30: parameter model.log_sigma (role 'model') is not finite" in line, line
-    run_dir = only_run_dir(out)
-    assert f"last good checkpoint: {ckpt.last_checkpoint(run_dir)} (step 20)" in line, line
-    state = ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))
-    assert state["step"] == 20 and all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
-
-
-def test_a_second_ctrl_c_before_the_first_checkpoint_gives_advice_that_works(cli, write_recipe, tmp_path, monkeypatch):
-    """A second Ctrl-C aborts training inside a step (KeyboardInterrupt) before any checkpoint was
-    written; the command the message gives starts the run again from step 0 in its directory and
-    ends bit-identical to an uninterrupted run, with one training row per logged step."""
-
-    def second_ctrl_c(built, metrics) -> None:
-        raise KeyboardInterrupt
-
-    poison_at(monkeypatch, 15, second_ctrl_c)
-    options = ["-o", "run.checkpoint_every=30"]
-    line = one_line(cli(["run", write_recipe(), "--out", tmp_path / "runs", *options]), code=130, label="interrupted")
-    run_dir = only_run_dir(tmp_path / "runs")
-    assert line.startswith("interrupted: Ctrl-C at step 14, stopped at once; resume with: "), line
-    assert "no checkpoint had been written, so it starts again from step 0" in line, line
-    assert not (run_dir / "checkpoints" / "last.pt").exists() and not (run_dir / ".lock").exists()
-    advice = line.split("resume with: ")[1].split(" (")[0]
-    assert advice == f"eblvm run --resume {run_dir}"
-
-    monkeypatch.undo()
-    result = cli(advice.split()[1:])
-    assert result.exit_code == 0, result.output
-    assert f"resuming {run_dir} at step 0" in result.output
-    assert cli(["run", write_recipe(), "--out", tmp_path / "full", *options]).exit_code == 0
-    a, b = (ckpt.load(ckpt.last_checkpoint(d))["networks"]["model"] for d in (only_run_dir(tmp_path / "full"), run_dir))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rows = [json.loads(r) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/loss" in r] == [10, 20, 30]
-    sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
-    assert [(s["status"], s["from_step"]) for s in sessions] == [("interrupted", 0), ("finished", 0)]
-
-
-def test_after_a_resume_the_message_names_the_checkpoint_resumed_from(cli, run_copy, monkeypatch):
-    poison_at(monkeypatch, 5, nan_sigma)
-    line = one_line(cli(["run", "--resume", run_copy, "-o", "run.steps=60", "-o", "run.checkpoint_every=100"]), code=3)
-    assert f"last good checkpoint: {ckpt.last_checkpoint(run_copy)} (step 30)" in line, line
-
-
-def test_a_degenerate_model_whose_evaluation_is_nan_stops_with_exit_3(cli, write_recipe, tmp_path):
-    """DSM with SGD at a large rate: the parameters stay finite (log σ runs away) but the exact
-    log-likelihood is NaN; metrics.jsonl stays valid JSON (null and a flag)."""
-    overrides = ["optim.model.kind=sgd", "optim.model.lr=2.0", "run.steps=100", "objective.sigma=0.05"]
-    out = tmp_path / "runs"
-    line = one_line(cli(["run", write_recipe(), "--out", out, *[a for o in overrides for a in ("-o", o)]]), code=3)
-    assert "step 100: evaluation gave eval/exact-loglik/test_loglik = nan" in line, line
-    run_dir = only_run_dir(out)
-
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} in metrics.jsonl")
-
-    rows = [json.loads(r, parse_constant=refuse) for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    final = rows[-1]
-    assert final["eval/exact-loglik/test_loglik"] is None and final["nonfinite"] == {
-        "eval/exact-loglik/test_loglik": "nan",
-        "eval/exact-loglik/test_loglik_stderr": "nan",
-    }
-    assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["status"] == "diverged"
-
-
-CD = SMALL_RECIPE.replace('[objective]\nkind = "dsm"\nsigma = 0.1\n', "").replace('"exact-score"', '"cd"')
-
-
-@pytest.mark.parametrize("lr", [50.0, 200.0])
-def test_a_sampler_failing_on_a_nan_probability_is_a_divergence(cli, write_recipe, tmp_path, lr):
-    overrides = ["-o", "optim.model.kind=sgd", "-o", f"optim.model.lr={lr}", "-o", "run.steps=100"]
-    line = one_line(cli(["run", write_recipe(CD), "--out", tmp_path / "runs", *overrides]), code=3)
-    assert "the step failed" in line and "p_in" in line and "run stopped" in line, line
-
-
-# ---- the file system -------------------------------------------------------------------------------
-
-
-def test_a_read_only_out_is_one_line_and_exit_1(cli, write_recipe, tmp_path, monkeypatch):
-    """A read-only file system refuses every mkdir (EROFS), also for root; simulated under --out."""
-    out = tmp_path / "ro"
-    real_mkdir = Path.mkdir
-
-    def mkdir(self, *args, **kwargs):
-        if str(self).startswith(str(out)):
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
-        return real_mkdir(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "mkdir", mkdir)
-    line = one_line(cli(["run", write_recipe(), "--out", out]), code=1)
-    assert line == f"error: {out / 'small'}: cannot create the run directory: Read-only file system", line
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_out_folder_for_real(cli, write_recipe, tmp_path):
-    out = tmp_path / "ro"
-    out.mkdir()
-    out.chmod(0o500)
-    try:
-        line = one_line(cli(["run", write_recipe(), "--out", out]), code=1)
-        assert "cannot create the run directory: Permission denied" in line
-    finally:
-        out.chmod(0o700)
-
-
-def test_a_full_disk_keeps_the_last_checkpoint(cli, write_recipe, tmp_path, monkeypatch):
-    real_save, calls = torch.save, [0]
-
-    def save(obj, f, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            f.write(b"partial")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, f, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "save", save)
-    out = tmp_path / "runs"
-    line = one_line(cli(["run", write_recipe(), "--out", out]), code=1)
-    run_dir = only_run_dir(out)
-    assert "No space left on device" in line and f"{ckpt.last_checkpoint(run_dir)} holds step 10" in line, line
-    assert ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))["step"] == 10
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.pt"]
-
-
-@pytest.mark.slow
-def test_runs_started_in_the_same_second_never_collide(tmp_path):
-    barrier, made, errors = threading.Barrier(8), [], []
-
-    def make() -> None:
-        barrier.wait()
-        try:
-            made.append(new_run_dir(tmp_path, "same"))
-        except Exception as exc:  # noqa: BLE001 - any failure is the finding
-            errors.append(exc)
-
-    threads = [threading.Thread(target=make) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(set(made)) == 8 and all((p / "checkpoints").is_dir() for p in made)
-
-
-def test_a_run_that_cannot_start_leaves_no_run_directory(cli, write_recipe, tmp_path, monkeypatch):
-    import eblvm_core.session as session_module
-    from eblvm_core.errors import ConfigError
-
-    def broken(recipe, run_dir):
-        raise ConfigError("log.0", "kind", "cannot open the log")
-
-    monkeypatch.setattr(session_module, "build_loggers", broken)
-    out = tmp_path / "runs"
-    line = one_line(cli(["run", write_recipe(), "--out", out]))
-    assert "[log.0] kind: cannot open the log" in line
-    assert not out.exists() or not any(out.rglob("*")), list(out.rglob("*"))
-
-
-# ---- provenance ------------------------------------------------------------------------------------
-
-
-def test_the_run_directory_records_provenance_and_the_console_log(cli, run_copy):
-    assert cli(["run", "--resume", run_copy, "-o", "run.steps=40"]).exit_code == 0
-    sessions = json.loads((run_copy / "run.json").read_text())["sessions"]
-    assert [s["status"] for s in sessions] == ["finished", "finished"]
-    assert [(s["from_step"], s["to_step"]) for s in sessions] == [(0, 30), (30, 40)]
-    import eblvm_core
-
-    for s in sessions:
-        assert s["eblvm"] == eblvm_core.__version__ and s["torch"] == torch.__version__ and s["device"] == "cpu"
-        assert s["started"] <= s["ended"] and s["command"] and s["cwd"]
-        assert s["git"] is None or len(s["git"]["commit"]) == 40
-    log = (run_copy / "run.log").read_text()
-    assert "run directory:" in log and f"resuming {run_copy} at step 30" in log
-    assert "step 40/40" in log and "exact-loglik/test_loglik:" in log
+# ---- errors across processes ------------------------------------------------------------------------
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ def test_a_second_ctrl_c_is_printed_as_an_interruption_too(cli, write_recipe, tm
 
 
 def test_guarded_prints_an_interruption_and_exits_130(capsys):
-    from eblvm_core.command import guarded
+    from eblvm_core.cli_support import guarded
     from eblvm_core.errors import Interrupted
 
     def interrupted() -> None:

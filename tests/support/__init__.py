@@ -140,3 +140,116 @@ def one_line_error(result) -> str:
     assert len(lines) == 1, result.output
     assert lines[0].startswith("error: ")
     return lines[0]
+
+
+def session_run(recipe=None, overrides=(), device=None, out="runs", resume=None, echo=print, command=None, **attend):
+    """``session.run`` called as the tests call it, positionally: (run_dir, final evaluation)."""
+    from eblvm_core.launching import RunRequest
+    from eblvm_core.session import run
+
+    return run(RunRequest(recipe, overrides, resume, device, out, command), echo, **attend)
+
+
+# ---- what the tests of a run's modules share (tests/core/test_{session,guard,records,...}.py) ----
+
+
+def only_run_dir(out: Path) -> Path:
+    """The one run directory under ``out`` (``<out>/<name>/<stamp>``)."""
+    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
+    return run_dir
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """Every row of ``run_dir``'s metrics.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes, but the lock (which records its last holder)."""
+    return {
+        p.relative_to(run_dir).as_posix(): p.read_bytes()
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.name != ".lock"
+    }
+
+
+def one_line(result, code: int = 2, label: str = "error") -> str:
+    """The one ``label: ...`` line of a CLI result that exited with ``code``, without a traceback."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.startswith(f"{label}: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def error_lines(result) -> list[str]:
+    """The ``error: ...`` lines of a CLI result that exited with code 2 (every line is one), without a traceback."""
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    assert all(line.startswith("error: ") for line in lines), result.output
+    return lines
+
+
+def train_small(folder: Path, text: str = SMALL_RECIPE) -> Path:
+    """A finished run of ``text`` (by default the small recipe: 30 steps, checkpoints at 10, 20 and
+    30) trained in ``folder``/runs, quietly: its run directory."""
+    recipe = folder / "r.toml"
+    recipe.write_text(text)
+    run_dir, _ = session_run(recipe, out=folder / "runs", echo=lambda _line: None)
+    return run_dir
+
+
+def flip_a_bit_of(path: Path, tensor: torch.Tensor) -> None:
+    """Flip the lowest bit of the first byte of ``tensor``'s data inside the checkpoint file."""
+    data = bytearray(path.read_bytes())
+    raw = tensor.contiguous().numpy().tobytes()
+    at = data.find(raw)
+    assert at >= 0 and data.find(raw, at + 1) < 0, "the tensor's bytes must occur once in the file"
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def trained_tensors(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's trained state (networks, optimizers, EMA), by path."""
+    found = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, torch.Tensor):
+            found[name] = value
+        elif isinstance(value, dict):
+            found.update(trained_tensors(value, name + "/"))
+        elif isinstance(value, (list, tuple)):
+            found.update(trained_tensors(dict(enumerate(value)), name + "/"))
+    return found
+
+
+def assert_same_parameters(a_dir: Path, b_dir: Path) -> None:
+    """The last checkpoints of two run directories hold the same networks and roles, to the bit."""
+    from eblvm_core import checkpoint as ckpt
+
+    a, b = (ckpt.load(ckpt.last_checkpoint(d)) for d in (a_dir, b_dir))
+    ta = trained_tensors({k: a[k] for k in ("networks", "roles")})
+    tb = trained_tensors({k: b[k] for k in ("networks", "roles")})
+    assert ta.keys() == tb.keys() and ta
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key
+
+
+def small_state(text: str = SMALL_RECIPE, overrides=()):
+    """(recipe, RunState) of a recipe given as TOML text, on the CPU without loggers, built from its
+    seed as a session builds it: what a Trainer trains, with no run directory."""
+    import tomllib
+
+    from eblvm_core import checkpoint as ckpt
+    from eblvm_core.build import build
+    from eblvm_core.session import resolve_recipe
+    from eblvm_core.state import RunState
+
+    data = tomllib.loads(text)
+    data["log"] = []
+    recipe = resolve_recipe(data, ["run.device=cpu", *overrides])
+    ckpt.seed_everything(recipe.run.seed)
+    return recipe, RunState(recipe, build(recipe, "cpu"))

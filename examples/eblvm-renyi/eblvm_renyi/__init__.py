@@ -33,7 +33,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm_core.plugin_api import ConfigError, Divergence, EnergyModel, Parts, Posterior, hookimpl, option, positive
+from eblvm.plugin import ConfigError, Divergence, EnergyModel, Parts, Posterior, hookimpl, option, positive
 
 __all__ = ["Renyi", "RenyiConfig", "build_renyi", "log_weights", "renyi_bound"]
 

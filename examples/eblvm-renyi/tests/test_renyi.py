@@ -1,4 +1,4 @@
-"""The Rényi divergence plugin, tested with eblvm's toolkit (eblvm_core.testing) once installed."""
+"""The Rényi divergence plugin, tested with eblvm's test kit (eblvm.testing; conftest.py opts into its fixtures)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,25 @@ import pytest
 import torch
 from eblvm_renyi import Renyi, log_weights, renyi_bound
 
-from eblvm_core.plugin_api import ConfigError
-from eblvm_core.plugins import load
-from eblvm_core.testing import check_divergence, linear_gaussian_setup, make, tiny_grbm_setup
+from eblvm.plugin import ConfigError
+from eblvm.testing import entry, linear_gaussian_setup, make, parametrize_with_checks, tiny_grbm_setup
 
 torch.set_num_threads(1)
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "grbm_bissm_renyi.toml"
 
 
 def test_registered_through_the_eblvm_entry_point_group(linear_gaussian):
-    entry = load()["divergences"].get("renyi")
-    assert entry.plugin == "renyi" and "Rényi" in entry.doc
+    registered = entry("divergences", "renyi")
+    assert registered.plugin == "renyi" and "Rényi" in registered.doc
     div = make("divergences", "renyi", linear_gaussian.parts, alpha=0.3, n_samples=2)
     assert isinstance(div, Renyi) and (div.alpha, div.n_samples) == (0.3, 2)
 
 
-@pytest.mark.parametrize("alpha, k", [(0.5, 5), (0.2, 3), (1.0, 5)])
-def test_divergence_contract(alpha, k):
+@parametrize_with_checks([Renyi(0.5, 5), Renyi(0.2, 3), Renyi(1.0, 5)])
+def test_divergence_contract(component, check):
     """Finite, differentiable in φ and θ, minimal at the exact posterior: on the linear-Gaussian
     model (continuous h) and on the tiny GRBM (Bernoulli h, relaxed samples)."""
-    report = check_divergence(Renyi(alpha, k))
+    report = check(component)
     assert set(report) == {"linear-gaussian", "tiny-grbm"}
 
 
@@ -128,7 +127,8 @@ def test_lower_level_steps_on_renyi_bring_q_to_the_exact_posterior():
     """What BiSM's real lower-level steps do with this divergence: from a perturbed q on the tiny
     GRBM, Adam on the batch mean of −L̂_α shrinks the exact KL(q ‖ p(h|v)) (factorised Bernoulli,
     closed form) severalfold; a gradient of the wrong sign would grow it."""
-    from eblvm_core.plugin_api import TrainingRole, fit_posterior
+    from eblvm.plugin import TrainingRole
+    from eblvm.tools import fit_posterior
 
     exact = tiny_grbm_setup(n=64)
     exact.perturb(1.0, seed=0)

@@ -14,9 +14,9 @@ import torch
 from eblvm_bidvl import gaussian_kl
 from torch.distributions import Normal, kl_divergence
 
+from eblvm.testing import make
 from eblvm_core.contracts import EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import make
 
 F64 = torch.float64
 

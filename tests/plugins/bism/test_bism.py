@@ -14,10 +14,10 @@ from eblvm_posteriors import BernoulliPosterior, relaxed_bernoulli
 from eblvm_score.objectives import DSM, MDSM, SSM, MDSMConfig
 from eblvm_vages.estimators import VaGESConfig, build_vages
 
+from eblvm.testing import linear_gaussian_parts
 from eblvm_core.bilevel import conjugate_gradient, flat, neumann, unflat
 from eblvm_core.contracts import DataSplits, Parts, exact_score
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import linear_gaussian_parts
 from tests.support import RECIPES
 
 NEW_RECIPES = ["grbm_bissm.toml", "grbm_bidsm.toml", "grbm_bism_implicit.toml"]
@@ -357,7 +357,7 @@ def test_the_new_recipes_validate(cli):
 
 
 def test_a_short_cpu_run_of_grbm_bissm(tmp_path):
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     overrides = ["run.steps=20", "run.log_every=10", "eval.1.grid=20"]
     run_dir, results = run(RECIPES / "grbm_bissm.toml", overrides, device="cpu", out=tmp_path, echo=lambda _: None)

@@ -25,10 +25,10 @@ from eblvm_grbm.model import GRBM, all_binary
 from eblvm_posteriors import BernoulliPosterior
 from eblvm_score.objectives import DSM, SM, SSM
 
+from eblvm.testing import linear_gaussian_parts
 from eblvm_core.bilevel import flat, grads_or_zeros
 from eblvm_core.contracts import DataSplits, Parts, exact_score
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import linear_gaussian_parts
 from tests.plugins.bism.test_bism import FixedNoiseBernoulli, FixedSSM, small_grbm
 from tests.plugins.bism.test_bism import exact_grbm_posterior as set_exact
 from tests.plugins.grbm.test_grbm_baselines import exact_samples
@@ -437,7 +437,7 @@ def test_the_options_off_change_nothing_and_on_they_train(tmp_path):
     """grbm_bissm for 30 steps: with every new option spelled out at its off value (and the natural
     damping, unused by the sgd unroll, changed) the checkpoint is bit-identical to the recipe's; the
     variant of recipes/compare/checkerboard_flat.toml trains to finite values and moves away from it."""
-    from eblvm_core.session import run
+    from tests.support import session_run as run
 
     base = ["run.steps=30", "run.log_every=10", "run.eval_every=30", "run.checkpoint_every=30", "eval.1.grid=20"]
     off = ["divergence.exact=false", 'estimator.unroll="sgd"', "estimator.natural_damping=0.5"]

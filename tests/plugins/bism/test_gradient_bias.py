@@ -8,8 +8,8 @@ from eblvm_bism.diagnostics import GradientBias, GradientBiasConfig
 from eblvm_divergences import KL
 from eblvm_score.objectives import DSM, SSM
 
+from eblvm.testing import tiny_grbm_setup
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import tiny_grbm_setup
 
 
 def test_bias_decays_geometrically_with_unrolling():

@@ -20,10 +20,10 @@ from eblvm_posteriors import GaussianPosterior
 from eblvm_score.objectives import DSM, MDSM, SSM, MDSMConfig
 from eblvm_vages.estimators import VaGESConfig, VariationalScore
 
+from eblvm.testing import make
 from eblvm_core import distributed
 from eblvm_core.bilevel import Functional, condition_on, conjugate_gradient, flat, grads_or_zeros, sgd_step
 from eblvm_core.contracts import Conditioned, DataSplits, EnergyModel, Parts, energies
-from eblvm_core.testing import make
 from tests.plugins.bism.test_bism import grbm_parts
 
 F64 = torch.float64

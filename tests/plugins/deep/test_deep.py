@@ -17,9 +17,9 @@ import torch
 from PIL import Image
 from torch import nn
 
+from eblvm.testing import GaussianScore, check_dataset, check_model, make
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import GaussianScore, check_dataset, check_model, make
 
 F64 = torch.float64
 

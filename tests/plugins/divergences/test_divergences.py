@@ -10,11 +10,11 @@ from eblvm_divergences import KL, Fisher, PosteriorFisherConfig, build_posterior
 from eblvm_grbm.model import GRBM
 from eblvm_posteriors import BernoulliPosterior
 
+from eblvm.testing import linear_gaussian_parts
 from eblvm_core.build import build as build_parts
 from eblvm_core.contracts import DataSplits, Parts
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import validate
-from eblvm_core.testing import linear_gaussian_parts
 
 
 def perturbed(posterior: torch.nn.Module, scale: float, seed: int) -> None:
@@ -142,7 +142,7 @@ def test_fisher_with_a_bernoulli_latent_is_a_recipe_error():
 
 
 def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_form():
-    from eblvm_core.testing import linear_gaussian_parts as build
+    from eblvm.testing import linear_gaussian_parts as build
 
     model, posterior, parts = build(d=3, m=2)
     v = parts.data.test
@@ -161,7 +161,7 @@ def test_posterior_fisher_is_zero_at_the_exact_posterior_and_matches_its_closed_
 
 
 def test_posterior_fisher_evaluator_and_refusals():
-    from eblvm_core.testing import linear_gaussian_parts as build
+    from eblvm.testing import linear_gaussian_parts as build
 
     model, posterior, parts = build(d=3, m=2)
     scalars = build_posterior_fisher(PosteriorFisherConfig(), parts)(parts).scalars

@@ -9,11 +9,12 @@ import torch
 from eblvm_grbm.evaluators import ExactLoglikConfig, build_exact_loglik
 from eblvm_grbm.model import GRBM
 from eblvm_metrics.density import DensityPlotConfig, build_density_plot, histogram
+from eblvm_metrics.figures import density_layout
 from torch import Tensor
 
 from eblvm_core.contracts import DataSplits, EnergyModel, EvalResult, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.plot import BOUNDS_COLOUR, density_layout
+from eblvm_core.plot import BOUNDS_COLOUR
 
 
 def grbm(d: int, m: int, sigma: float, seed: int = 0, weight_std: float = 0.6) -> GRBM:
@@ -130,7 +131,7 @@ def test_density_plot_image_and_grid_mass():
 
 
 def panel(image: Tensor, n: int, i: int = 0, centres: bool = True) -> tuple[Tensor, int]:
-    """The i-th panel of a density figure of n × n cells (plot.density_layout), and the side k of
+    """The i-th panel of a density figure of n × n cells (figures.density_layout), and the side k of
     a cell in pixels; with ``centres``, one pixel per cell, at its centre: (3, n, n)."""
     left, top, side, _ = density_layout(2, n)[0][i]
     k = side // n
@@ -251,7 +252,7 @@ def test_posterior_kl_against_enumeration():
     computed over all 2^m hidden states; it is 0 at the exact posterior and positive elsewhere."""
     import itertools
 
-    from eblvm_core.testing import make, tiny_grbm_setup
+    from eblvm.testing import make, tiny_grbm_setup
 
     setup = tiny_grbm_setup(d=2, m=3, coupling="plain")
     parts = setup.parts

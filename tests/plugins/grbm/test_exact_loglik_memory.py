@@ -197,7 +197,7 @@ def test_large_enumerations_are_announced_with_states_and_chunks(monkeypatch, ca
     d, m = 2, 6
     data = DataSplits(train=torch.randn(20, d), test=torch.randn(20, d))
     parts = Parts(dtype=torch.float32, data=data, model=random_grbm(d, m, dtype=torch.float32))
-    assert not hasattr(build_exact_loglik(ExactLoglikConfig(), parts), "announce")  # 64 states: no line
+    assert build_exact_loglik(ExactLoglikConfig(), parts).announce is None  # 64 states: no line
     monkeypatch.setattr(evaluators, "ANNOUNCE_STATES", 2**5)
     monkeypatch.setattr(model_module, "CHUNK_ELEMENTS", 40)  # 40 // (d + m) = 5: chunks of 4 states
     evaluate = build_exact_loglik(ExactLoglikConfig(), parts)

@@ -217,7 +217,7 @@ def test_pcd_chains_persist_and_round_trip_through_a_checkpoint(tmp_path):
 
 
 def test_cd_refuses_models_without_gibbs():
-    from eblvm_core.testing import linear_gaussian_parts as build
+    from eblvm.testing import linear_gaussian_parts as build
 
     _, _, parts = build()
     with pytest.raises(ConfigError, match="cd needs a GRBM"):

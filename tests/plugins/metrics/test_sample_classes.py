@@ -10,8 +10,8 @@ import pytest
 import torch
 from eblvm_metrics.samples import label_statistics
 
+from eblvm.testing import make
 from eblvm_core.contracts import Parts, Sampler
-from eblvm_core.testing import make
 
 
 class Replay(Sampler):

@@ -18,9 +18,9 @@ from eblvm_posteriors import (
 )
 from torch.distributions import Bernoulli, Normal
 
+from eblvm.testing import LinearGaussianEBLVM
 from eblvm_core.contracts import DataSplits, EnergyModel, Parts
 from eblvm_core.errors import ConfigError
-from eblvm_core.testing import LinearGaussianEBLVM
 
 
 def parts_for(model: EnergyModel, shape: tuple[int, ...] = (3,)) -> Parts:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eblvm_core import testing
+from eblvm import testing
 from tests.support import SMALL_RECIPE
 
 CSV = SMALL_RECIPE + '\n[[log]]\nkind = "csv"\n'

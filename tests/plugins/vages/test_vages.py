@@ -124,8 +124,8 @@ def test_vages_through_the_features_once_equals_the_evaluation_on_every_pair(cov
     samples (ŝ = J_fᵀG, zᵀ∇_x log p̃ per sample through J_f z) gives the scores, log p̃, the
     covariance coefficients and the θ-gradient of the evaluation on the L·B points, also with z
     from samples of its own (their VaES through the same f(x): one more product with J_fᵀ)."""
+    from eblvm.testing import make
     from eblvm_core.bilevel import condition_on
-    from eblvm_core.testing import make
 
     torch.manual_seed(0)
     images = torch.rand(12, 1, 8, 8)

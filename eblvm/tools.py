@@ -1,0 +1,90 @@
+"""The tools eblvm's plugins share, for any plugin: parameters as dicts and differentiable optimizer
+steps, Hessian-vector products and linear solvers (bi-level estimators), the collectives of
+several processes, image pipelines, figures, and the names of a run directory's files. The
+contracts are in ``eblvm.plugin``.
+
+    from eblvm.tools import fit_posterior, grads_or_zeros, sgd_step
+"""
+
+from __future__ import annotations
+
+from eblvm_core.bilevel import (
+    DifferentiableAdam,
+    Functional,
+    SolveInfo,
+    condition_on,
+    conjugate_gradient,
+    fit_posterior,
+    flat,
+    grads_or_zeros,
+    hvp,
+    neumann,
+    sgd_step,
+    trainable,
+    unflat,
+    weighted_mean,
+)
+from eblvm_core.checkpoint import save_atomic
+from eblvm_core.contracts import evaluation_mode
+from eblvm_core.data import ImageOptions, image_pipeline
+from eblvm_core.distributed import active as collectives_active
+from eblvm_core.distributed import mean_over_ranks, world_size
+from eblvm_core.files import output_file, output_folder, reading
+from eblvm_core.plot import axes_at, bounds_box, figure, image_grid, render, widest_text
+from eblvm_core.plugins import install_hint
+from eblvm_core.recipe import apply_override, check_unchanged, set_value, validate_with
+from eblvm_core.recipe import read as read_recipe_file
+from eblvm_core.recipe.library import names as bundled_recipes
+from eblvm_core.recipe.library import recipe_file
+from eblvm_core.registry import did_you_mean
+from eblvm_core.rundir import METRICS, PROVENANCE, RECIPE, hyperparameters
+
+__all__ = [
+    # bi-level steps
+    "DifferentiableAdam",
+    "Functional",
+    "SolveInfo",
+    "condition_on",
+    "conjugate_gradient",
+    "fit_posterior",
+    "flat",
+    "grads_or_zeros",
+    "hvp",
+    "neumann",
+    "sgd_step",
+    "trainable",
+    "unflat",
+    "weighted_mean",
+    # several processes
+    "collectives_active",
+    "mean_over_ranks",
+    "world_size",
+    # evaluations, images and figures
+    "evaluation_mode",
+    "ImageOptions",
+    "image_pipeline",
+    "axes_at",
+    "bounds_box",
+    "figure",
+    "image_grid",
+    "render",
+    "widest_text",
+    # files, packages, names
+    "output_file",
+    "output_folder",
+    "reading",
+    "METRICS",
+    "PROVENANCE",
+    "RECIPE",
+    "apply_override",
+    "check_unchanged",
+    "bundled_recipes",
+    "read_recipe_file",
+    "recipe_file",
+    "set_value",
+    "validate_with",
+    "did_you_mean",
+    "hyperparameters",
+    "install_hint",
+    "save_atomic",
+]

@@ -1,0 +1,193 @@
+"""The compiled training step (``eblvm_core.compiled``) against the eager one, estimator by
+estimator: from the same state, batch and seed the compiled step takes the same step (parameters,
+optimizer moments, gradient statistics, metrics) to float tolerance and consumes the random
+streams exactly as the eager step does; a compiled run resumes to the bit; ``[run] compile``'s
+verdicts and refusals. Compiling takes seconds (inductor writes C++): every test that compiles is
+slow, on small networks and batches."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import eblvm
+from eblvm_core import checkpoint as ckpt
+from eblvm_core.compiled import CompiledStep, Refused, state_tensors
+from eblvm_core.errors import ConfigError
+from eblvm_core.plan import AUTO_COMPILE_STEPS, Launch, Machine, make_plan
+from eblvm_core.recipe import load_recipe
+from tests.support import RECIPES, metrics_rows, session_run
+
+SMALL = ["run.seed=3", "run.batch_size=16", "data.n_train=64", "data.n_test=32", "~eval", "run.compile=false"]
+CASES = {  # every estimator that compiles, at the checkerboard's size with short inner loops
+    "bism-unrolled sgd, SSM": ("grbm_bissm.toml", ["estimator.inner_steps=2", "estimator.unroll_steps=2"]),
+    "bism-unrolled adam, DSM": (
+        "grbm_bidsm.toml",
+        ["estimator.inner_steps=1", "estimator.unroll_steps=2", 'estimator.unroll="adam"'],
+    ),
+    "bism-unrolled natural, SSM": (
+        "grbm_bissm.toml",
+        ['estimator.unroll="natural"', "estimator.inner_steps=1", "estimator.unroll_steps=1"],
+    ),
+    "exact-score, SSM": ("grbm_ssm.toml", []),
+    "exact-score, DSM, SGD with momentum": ("grbm_dsm.toml", ['optim.model.kind="sgd"', "optim.model.momentum=0.9"]),
+    "exact-score, KSD": ("grbm_ksd.toml", []),
+    "vages, DSM": ("grbm_vagesdsm.toml", ["estimator.inner_steps=1"]),
+    "vages, KSD": ("grbm_vagesksd.toml", ["estimator.inner_steps=1"]),
+    "is-score, KSD": ("grbm_isksd.toml", []),
+    "cd": ("grbm_cd.toml", []),
+    "pcd": ("grbm_pcd.toml", ["estimator.n_chains=16"]),
+}
+
+
+def prepared(recipe: str, overrides: list[str]):
+    return eblvm.prepare(RECIPES / recipe, overrides=[*SMALL, *overrides], device="cpu", echo=None)
+
+
+def snapshot(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_compiled_step_takes_the_eager_step(case):
+    """Two steps each way from the same state: parameters, Adam moments and counts, gradient
+    statistics and metrics agree to float tolerance, and the random streams end where the eager
+    steps leave them (the compiled step draws its random numbers eagerly, in the eager order)."""
+    recipe, overrides = CASES[case]
+    run = prepared(recipe, overrides)
+    estimator = run.parts.estimator
+    tensors = state_tensors(run.parts.networks(), run.roles, estimator)
+    batches = [run.state.batches.next() for _ in range(2)]
+    compiled = CompiledStep(estimator.step, tensors, run.state.batches.example(), estimator)
+    start, rng = snapshot(tensors), ckpt.rng_state()
+    eager_metrics = [estimator.step(b) for b in batches]
+    eager, eager_rng = snapshot(tensors), torch.get_rng_state()
+    with torch.no_grad():
+        for t, value in zip(tensors, start):
+            t.copy_(value)
+    ckpt.set_rng_state(rng)
+    compiled_metrics = [compiled(b) for b in batches]
+    assert torch.equal(torch.get_rng_state(), eager_rng), "the compiled steps drew other random numbers"
+    moved = [not torch.equal(a, b) for a, b in zip(eager, start)]
+    assert sum(moved) >= 4, "the eager steps changed too little to compare"
+    for a, b in zip(snapshot(tensors), eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for got, want in zip(compiled_metrics, eager_metrics):
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_resumes_to_the_bit_and_records_how_it_stepped(tmp_path):
+    """60 compiled steps straight and 30 + 30 with a resume between end at the same bits: every
+    step of both is a call of the compiled graph, the random draws included. run.json says so."""
+    common = ["run.seed=5", "run.compile=true", "run.log_every=10", "run.checkpoint_every=30", "~eval"]
+    recipe = RECIPES / "grbm_bissm.toml"
+    straight, _ = session_run(recipe, [*common, "run.steps=60"], out=tmp_path / "a", echo=lambda _line: None)
+    half, _ = session_run(recipe, [*common, "run.steps=30"], out=tmp_path / "b", echo=lambda _line: None)
+    lines: list[str] = []
+    session_run(None, ["run.steps=60"], resume=half, echo=lines.append)
+    assert any(line.startswith("compile: the training step is traced into one graph") for line in lines), lines
+    a, b = ckpt.load(ckpt.last_checkpoint(straight)), ckpt.load(ckpt.last_checkpoint(half))
+    for name, tensors in a["networks"].items():
+        for key, value in tensors.items():
+            assert torch.equal(value, b["networks"][name][key]), f"{name}.{key}"
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+    def losses(run_dir):
+        return [row["train/loss"] for row in metrics_rows(run_dir) if "train/loss" in row]
+
+    assert losses(straight) == losses(half) and len(losses(half)) == 6
+    sessions = json.loads((half / "run.json").read_text())["sessions"]
+    assert [s["training_step"] for s in sessions] == ["compiled", "compiled"]
+
+
+@pytest.mark.slow
+def test_a_compiled_run_that_diverges_stops_with_its_last_good_checkpoint(tmp_path):
+    """The NaN guard sees a compiled step's loss as an eager one's: a rate that blows the model up
+    stops the run (exit 3's error) naming the checkpoint that holds good parameters."""
+    from eblvm_core.errors import TrainingDiverged
+
+    options = ["run.compile=true", "run.steps=200", "run.log_every=10", "run.checkpoint_every=10", "~eval"]
+    options += ["optim.model.lr=1e6", "run.seed=1"]
+    with pytest.raises(TrainingDiverged, match="not finite|non-finite") as info:
+        session_run(RECIPES / "grbm_dsm.toml", options, out=tmp_path, echo=lambda _line: None)
+    assert "checkpoint" in str(info.value)
+
+
+def plan_of(recipe: str, overrides: list[str] = ()):
+    spec = load_recipe(RECIPES / recipe, list(overrides))
+    return make_plan(spec, lambda: eblvm_core_sizes(spec), Machine(0, False), Launch())
+
+
+def eblvm_core_sizes(spec):
+    from eblvm_core.build import measure
+
+    return measure(spec)
+
+
+@pytest.mark.parametrize(
+    "recipe, overrides, why",
+    [
+        ("grbm_bissm.toml", [], None),  # 20,000 steps of a small model: compiled
+        ("grbm_bissm.toml", [f"run.steps={AUTO_COMPILE_STEPS - 1}"], "too few to repay compiling"),
+        ("grbm_bissm.toml", ["run.compile=false"], "[run] compile = false"),
+        ("grbm_bism_implicit.toml", [], "stop at a tolerance read on the host"),
+        ("grbm_nce.toml", [], "torch.distributions"),
+        ("grbm_bissm.toml", ['run.precision="bf16"'], "precision bf16 is not traced"),
+        ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], "follows a schedule"),
+        ("digits_bimdsm.toml", [], "follows a schedule"),
+    ],
+)
+def test_auto_compiles_where_the_step_compiles_and_the_run_repays_it(recipe, overrides, why):
+    plan = plan_of(recipe, overrides)
+    assert plan.compile == why if why is None else why in plan.compile, plan.compile
+
+
+def test_auto_keeps_large_networks_eager():
+    plan = plan_of("grbm_bissm.toml", ["model.n_hidden=400000", "run.steps=20000"])
+    assert "trainable parameters: the step is mostly matrix products" in plan.compile
+
+
+def test_compile_true_on_a_step_that_cannot_compile_is_one_line_naming_run_compile(cli, write_recipe, tmp_path):
+    recipe = write_recipe((RECIPES / "grbm_bism_implicit.toml").read_text())
+    for command in (
+        ["validate", recipe, "-o", "run.compile=true"],
+        ["run", recipe, "-o", "run.compile=true", "--out", tmp_path / "runs"],
+    ):
+        result = cli(command)
+        assert result.exit_code == 2, result.output
+        assert "[run] compile: true, but the step cannot be compiled: its conjugate-gradient" in result.output
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(ConfigError, match="compile"):
+        plan_of("grbm_bism_implicit.toml", ["run.compile=true"])
+
+
+def test_a_step_that_fails_to_compile_trains_eagerly_under_auto_and_stops_under_true(tmp_path, monkeypatch):
+    """No C++ compiler, an operation inductor cannot lower...: under auto one warning line and the
+    eager step; under true one error line and no run directory."""
+    import eblvm_core.compiled as compiled_module
+
+    def fail(self, *args, **kwargs):
+        raise Refused("compiling failed (CppCompileError: no C++ compiler)")
+
+    monkeypatch.setattr(compiled_module.CompiledStep, "__init__", fail)
+    said: list[str] = []
+    auto = eblvm.prepare(
+        RECIPES / "grbm_dsm.toml", overrides=[f"run.steps={AUTO_COMPILE_STEPS}", "~eval"], echo=said.append
+    )
+    assert auto.plan.compile is None and auto.compiled is None
+    assert said == ["warning: compile: eager step: compiling failed (CppCompileError: no C++ compiler)"]
+    assert set(auto.step()) == {"loss"}  # the eager step
+    with pytest.raises(ConfigError, match=r"\[run\] compile: true, but the step cannot be compiled: compiling failed"):
+        session_run(
+            RECIPES / "grbm_dsm.toml",
+            ["run.steps=20", "run.compile=true", "~eval"],
+            out=tmp_path / "true",
+            echo=lambda _line: None,
+        )
+    assert not (tmp_path / "true").exists()
