@@ -8,8 +8,8 @@
 
 Users import ``eblvm``; plugin authors ``eblvm.plugin`` (the contracts a component implements)
 and ``eblvm.tools`` (the shared tools: bi-level steps, collectives, image pipelines, figures).
-``train``, ``load``, ``load_recipe``, ``prepare``, ``Run``, ``LoadedRun``, ``Prepared`` and ``Stop``
-are imported on first use: ``import eblvm`` itself loads neither torch nor a plugin.
+``train``, ``load``, ``load_recipe``, ``prepare``, ``add_plugin``, ``Run``, ``LoadedRun``, ``Prepared``
+and ``Stop`` are imported on first use: ``import eblvm`` itself loads neither torch nor a plugin.
 """
 
 from __future__ import annotations
@@ -20,10 +20,21 @@ from typing import TYPE_CHECKING, Any
 from eblvm_core import __version__
 
 if TYPE_CHECKING:
-    from eblvm.api import LoadedRun, Prepared, Run, Stop, load, load_recipe, prepare, train
+    from eblvm.api import LoadedRun, Prepared, Run, Stop, add_plugin, load, load_recipe, prepare, train
 
-__all__ = ["LoadedRun", "Prepared", "Run", "Stop", "__version__", "load", "load_recipe", "prepare", "train"]
-_API = ("LoadedRun", "Prepared", "Run", "Stop", "load", "load_recipe", "prepare", "train")
+__all__ = [
+    "LoadedRun",
+    "Prepared",
+    "Run",
+    "Stop",
+    "__version__",
+    "add_plugin",
+    "load",
+    "load_recipe",
+    "prepare",
+    "train",
+]
+_API = ("LoadedRun", "Prepared", "Run", "Stop", "add_plugin", "load", "load_recipe", "prepare", "train")
 
 
 def __getattr__(name: str) -> Any:

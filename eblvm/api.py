@@ -12,6 +12,7 @@ neither) is a ValueError.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -22,9 +23,11 @@ import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
+from eblvm_core import plugins
 from eblvm_core.build import build
 from eblvm_core.compiled import compile_step
 from eblvm_core.contracts import EvalResult
+from eblvm_core.errors import EblvmError
 from eblvm_core.evaluation import AfterEvaluation, Stop
 from eblvm_core.launching import RunRequest
 from eblvm_core.plan import numerics
@@ -37,7 +40,7 @@ from eblvm_core.session import run as run_session
 from eblvm_core.state import RunState
 from eblvm_core.trainer import Trainer
 
-__all__ = ["LoadedRun", "Prepared", "Run", "Stop", "load", "load_recipe", "prepare", "train"]
+__all__ = ["LoadedRun", "Prepared", "Run", "Stop", "add_plugin", "load", "load_recipe", "prepare", "train"]
 
 RecipeLike = str | Path | Mapping[str, Any] | Recipe
 Overrides = Sequence[str] | Mapping[str, Any]
@@ -343,3 +346,29 @@ def load(
     """
     tables = None if evaluators is None else [{"kind": e} if isinstance(e, str) else dict(e) for e in evaluators]
     return load_run(run_dir, checkpoint, device, override_list(overrides), seed, evals=tables, echo=echo or _quiet)
+
+
+def add_plugin(module: str) -> None:
+    """Load ``module`` as a plugin in this process, as ``EBLVM_PLUGIN_MODULES`` does at start-up:
+    its hooks register their components beside the installed plugins', so recipes trained or
+    loaded afterwards may name them. ``"__main__"`` is the running script or, in a notebook, the
+    kernel's namespace: hook functions defined in the notebook itself.
+
+    The name is added to ``EBLVM_PLUGIN_MODULES`` (once; processes started from here inherit it)
+    and the plugins are loaded again. A module that fails to import or register (a name another
+    plugin has, an unknown hook) is an ``EblvmError`` saying why, and is taken out again, leaving
+    the plugins as they were. An imported module is not re-imported: after editing a module's
+    file, ``importlib.reload`` it first.
+    """
+    listed = [m.strip() for m in os.environ.get("EBLVM_PLUGIN_MODULES", "").split(",") if m.strip()]
+    before = os.environ.get("EBLVM_PLUGIN_MODULES")
+    if module not in listed:
+        os.environ["EBLVM_PLUGIN_MODULES"] = ",".join([*listed, module])
+    why = plugins.load(force=True, warn=False).failed.get(module)
+    if why is not None:
+        if before is None:
+            os.environ.pop("EBLVM_PLUGIN_MODULES", None)
+        else:
+            os.environ["EBLVM_PLUGIN_MODULES"] = before
+        plugins.load(force=True, warn=False)
+        raise EblvmError(f"plugin '{module}' failed to load: {why}")

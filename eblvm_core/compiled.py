@@ -1,30 +1,9 @@
-"""A training step traced once into one graph of tensor operations and compiled (``torch.compile``'s
-inductor, C++ kernels on a CPU).
-
-The estimator's step is written as plain PyTorch, autograd included: its score's Jacobians, its
-unrolled lower-level steps with their graph, the roles' optimizer updates. ``CompiledStep`` runs
-it once under ``make_fx``, which records every operation it executes, the backward passes
-autograd runs as well, as one graph of aten operations whose inputs are the run's state (every
-network's parameters and buffers, the roles' optimizer states and gradient statistics), the batch
-and the step's random numbers; the graph is compiled, and each call replays it on the same
-tensors, updating them in place. Nothing of the trace is kept: the state and the random streams
-are put back after it, so every step of a compiled run, its first and the first after a resume
-included, is a call of the compiled graph.
-
-Random numbers stay eager: each of the graph's random draws (``rand``, ``randn`` and their
-``_like`` forms at fixed shapes, ``bernoulli(p)``, which on a CPU is ``rand(p.shape) < p`` from
-the same stream, bit for bit, and a new tensor's ``normal_(mean, std)``, which is
-``randn·std + mean``) becomes an input, drawn before each call from the default
-generator in the order the eager step draws them. A compiled step thus consumes the random
-streams exactly as the eager one and, from the same state, batch and seed, takes the same step up
-to floating-point rounding.
-
-A step is traceable when it is graph-safe (``Estimator.graph_safe``: the same operations on
-same-shaped tensors every step, no device value read on the host, tensors as metrics, state
-changed in place). The trace checks what it can: a value read on the host, a tensor changed in
-place that is not the run's state, or a random draw it cannot lift is a refusal (``Refused``),
-which the plan's ``compile = "auto"`` turns into the eager step with a warning.
-"""
+"""A training step traced once (``make_fx``, backward passes included) into one graph of aten
+operations over the run's state, the batch and the step's random numbers, compiled by inductor
+and replayed in place. Random draws stay eager, drawn before each call in the eager step's order,
+so a compiled step takes the eager step up to float rounding. A step that is not graph-safe or
+does what the trace cannot lift is ``Refused``. CONTRIBUTING.md ("How a step is compiled or
+captured") has the design."""
 
 from __future__ import annotations
 

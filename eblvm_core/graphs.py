@@ -1,17 +1,7 @@
-"""Training steps captured once in a CUDA graph and replayed.
-
-A small model's step on a GPU is hundreds of tiny kernels, and the host takes longer to launch
-them one by one than the GPU takes to run them; a captured graph launches them all at once.
-The plan says whether a run's step is captured (``plan.graph_verdict``); ``GraphedStep`` wraps
-the estimator's step: its first WARMUP_STEPS calls run eagerly on a side stream (capture
-needs state that is created lazily, such as Adam's moments, to exist already), the next call
-captures the step on a static copy of its batch, and every call from then on copies its batch
-into that copy and replays the graph. Random numbers come from the default CUDA generator,
-whose Philox offset a replay advances as the eager kernels would, so a replayed step draws the
-numbers its eager twin would draw. Scheduled learning rates live in device tensors
-(``optim.RateTensors``) that the captured kernels read and that each call updates in place
-before the replay, so a scheduled run replays too.
-"""
+"""Training steps captured once in a CUDA graph and replayed (``GraphedStep``): WARMUP_STEPS eager
+calls on a side stream, a capture on a static batch, then copy-and-replay; random numbers and
+scheduled rates (``optim.RateTensors``) advance as the eager step's would. The plan decides
+(``plan.graph_verdict``); CONTRIBUTING.md ("How a step is compiled or captured") has the design."""
 
 from __future__ import annotations
 

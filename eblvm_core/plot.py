@@ -1,16 +1,8 @@
-"""Every figure eblvm makes: charts drawn with matplotlib and image grids tiled with torch.
-
-Charts use matplotlib's object API on its non-interactive Agg canvas (``matplotlib.figure.Figure``
-with ``FigureCanvasAgg``; no pyplot, no display, no global state) and are laid out in pixels at
-``DPI`` pixels per inch, so fonts of 10 pt (tick labels) to 12 pt (titles) are 14 to 17 pixels
-high in the saved PNG. The functions that draw return the Figure, so its artists (legends, axes)
-can be inspected; ``render`` turns it into what evaluators return, (3, H, W) float in [0, 1].
-matplotlib and torchvision are imported inside the functions: ``eblvm --help`` and plugin
-loading never pay for them.
-
-Image grids are torchvision's ``make_grid`` layout upscaled by pixel repetition (nearest
-neighbour), by default until each image is at least ``MIN_SIDE`` pixels on its shorter side.
-"""
+"""Every figure eblvm makes: charts on matplotlib's Agg canvas (the object API, no pyplot, no global
+state), laid out in pixels at ``DPI`` so 10-12 pt fonts are 14-17 pixels high, returned as the
+Figure (``render`` gives (3, H, W) float in [0, 1]); image grids are ``make_grid``'s layout
+upscaled by pixel repetition to at least ``MIN_SIDE`` pixels a side. matplotlib and torchvision
+are imported inside the functions, so ``eblvm --help`` and plugin loading never pay for them."""
 
 from __future__ import annotations
 

@@ -249,9 +249,10 @@ def plugin_versions() -> dict[str, dict[str, str | None]]:
             "distribution": getattr(dist, "name", None),
             "version": getattr(dist, "version", None),
         }
-        if dist is None:
-            spec = importlib.util.find_spec(info.module.split(":")[0])
-            entry["file"] = getattr(spec, "origin", None) if spec else None
+        if dist is None:  # a module has a file; __main__ (a script, a notebook's kernel) no spec
+            module = sys.modules.get(name := info.module.split(":")[0])
+            spec = importlib.util.find_spec(name) if module is None or module.__spec__ else None
+            entry["file"] = getattr(spec, "origin", None) if spec else getattr(module, "__file__", None)
         out[info.name] = entry
     return out
 

@@ -259,13 +259,14 @@ def test_the_bundled_recipes_and_specs_compose_to_themselves():
         assert read(path) == parse(path), path
 
 
-def test_the_readme_recipe_is_the_main_job():
-    """The README's recipe block and recipes/grbm_bissm.toml say the same thing (comments aside)."""
+def test_the_reference_recipe_is_the_main_job():
+    """The recipe reference's block (docs/recipes.md) and recipes/grbm_bissm.toml say the same
+    thing (comments aside)."""
     import re
     import tomllib
 
     root = ROOT
-    (block,) = re.findall(r"```toml\n(\[run\].*?)```", (root / "README.md").read_text(), flags=re.S)
+    (block,) = re.findall(r"```toml\n(\[run\].*?)```", (root / "docs" / "recipes.md").read_text(), flags=re.S)
     assert tomllib.loads(block) == tomllib.loads((root / "recipes" / "grbm_bissm.toml").read_text())
 
 

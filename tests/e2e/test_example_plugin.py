@@ -140,17 +140,17 @@ FENCE = re.compile(r"^```(\w+)[ \t]*([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
 def walkthrough() -> tuple[dict[str, str], str, list[str]]:
-    """(files, bash script, expected output lines) of docs/plugins.md: blocks marked ``file=PATH``,
-    ``bash run`` and ``text output``."""
+    """(files, bash script, expected output lines) of docs/plugins.md: blocks titled with a file's
+    path (``title="PATH"``), ``bash {.run}`` and ``text {.output}``."""
     files, commands, expected = {}, [], []
     for lang, info, body in FENCE.findall((ROOT / "docs" / "plugins.md").read_text()):
         attrs = info.split()
-        paths = [a.removeprefix("file=") for a in attrs if a.startswith("file=")]
+        paths = [a.removeprefix("title=").strip('"') for a in attrs if a.startswith("title=")]
         if paths:
             files[paths[0]] = body
-        elif lang == "bash" and "run" in attrs:
+        elif lang == "bash" and "{.run}" in attrs:
             commands.append(body)
-        elif lang == "text" and "output" in attrs:
+        elif lang == "text" and "{.output}" in attrs:
             expected += [line for line in body.splitlines() if line.strip()]
     return files, "set -euo pipefail\n" + "\n".join(commands), expected
 

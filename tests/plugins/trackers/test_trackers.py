@@ -187,7 +187,7 @@ def test_csv_refuses_a_file_outside_the_run_directory(cli, write_recipe):
 def test_the_logger_of_the_plugin_guide_writes_pngs_and_resumes(tmp_path, monkeypatch):
     """docs/plugins.md's complete logger, as written there: registered, contract, files, resume."""
     text = (ROOT / "docs" / "plugins.md").read_text()
-    (code,) = re.findall(r"^```python example=png-logger\n(.*?)^```$", text, re.M | re.S)
+    (code,) = re.findall(r'^```python title="png_logger.py"\n(.*?)^```$', text, re.M | re.S)
     (tmp_path / "eblvm_pngs.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("EBLVM_PLUGIN_MODULES", "eblvm_pngs")

@@ -1,0 +1,69 @@
+"""The tutorials in docs/tutorials run as plain scripts, and ``eblvm.add_plugin``, which one of them
+uses to register a divergence defined in the notebook itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import eblvm
+from eblvm_core import plugins
+from eblvm_core.errors import EblvmError
+
+TUTORIALS = Path(__file__).parents[2] / "docs" / "tutorials"
+
+PLUGIN = """
+from eblvm.plugin import Divergence, NoConfig, hookimpl
+
+
+class Zero(Divergence):
+    def __call__(self, model, posterior, v):
+        return v.new_zeros(len(v))
+
+
+@hookimpl
+def register_divergences(register):
+    register("tutorial-zero", lambda config, parts: Zero(), NoConfig)
+"""
+
+
+@pytest.fixture
+def clean_plugins(tmp_path, monkeypatch):
+    """A folder on sys.path for plugin modules; EBLVM_PLUGIN_MODULES and the loaded plugins are put
+    back as they were after the test."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("EBLVM_PLUGIN_MODULES", raising=False)
+    monkeypatch.setattr(plugins, "_loaded", None)
+    return tmp_path
+
+
+def test_add_plugin_registers_a_module_once_and_refuses_a_broken_one(clean_plugins):
+    (clean_plugins / "tutorial_zero_plugin.py").write_text(textwrap.dedent(PLUGIN))
+    assert "tutorial-zero" not in plugins.load(force=True, warn=False)["divergences"].names()
+    for _ in range(2):
+        eblvm.add_plugin("tutorial_zero_plugin")
+    assert os.environ["EBLVM_PLUGIN_MODULES"] == "tutorial_zero_plugin"
+    assert plugins.load()["divergences"].get("tutorial-zero").plugin == "tutorial_zero_plugin"
+
+    (clean_plugins / "tutorial_broken_plugin.py").write_text("raise RuntimeError('no such luck')\n")
+    with pytest.raises(EblvmError, match="plugin 'tutorial_broken_plugin' failed to load: RuntimeError: no such luck"):
+        eblvm.add_plugin("tutorial_broken_plugin")
+    assert os.environ["EBLVM_PLUGIN_MODULES"] == "tutorial_zero_plugin"  # taken out again
+    loaded = plugins.load()
+    assert not loaded.failed and "tutorial-zero" in loaded["divergences"].names()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tutorial", sorted(p.name for p in TUTORIALS.glob("*.py")))
+def test_tutorial_runs_as_a_script(tutorial, tmp_path):
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    env.pop("EBLVM_PLUGIN_MODULES", None)
+    done = subprocess.run(
+        [sys.executable, str(TUTORIALS / tutorial)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
