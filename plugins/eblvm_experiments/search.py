@@ -598,7 +598,9 @@ def _plots(study: Any, out: Path, complete: int, metric: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     notes = []
-    with quiet_optuna() as optuna:
+    # Optuna's plots set a pyplot style (ggplot) globally; rc_context puts matplotlib's settings back
+    # after them, so the evaluators' figures drawn later in this process keep their own look.
+    with quiet_optuna() as optuna, matplotlib.rc_context():
         plots = {
             "history.png": functools.partial(
                 optuna.visualization.matplotlib.plot_optimization_history, target_name=metric

@@ -249,9 +249,7 @@ def test_freyface_comparison_selects_best_checkpoints_on_a_stand_in_file(cli, tm
     from tests.plugins.images.test_images import frey_images, write_frey
 
     spec = read(RECIPES / "compare" / "freyface.toml")
-    spec["method"] = [m for m in spec["method"] if m["name"] in ("DSM", "BiDSM N=1")]
-    for method in spec["method"]:
-        method["recipe"] = str(RECIPES / "compare" / method["recipe"])
+    spec["method"] = [m for m in spec["method"] if m["name"] in ("DSM", "BiDSM N=1")]  # eblvm:NAME recipes
     spec["final_eval"][0].update(n_chains=20, n_temps=20)
     path = tmp_path / "frey.toml"
     path.write_text(tomli_w.dumps(spec))

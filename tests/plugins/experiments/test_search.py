@@ -337,3 +337,20 @@ def test_the_commands_of_many_runs_import_neither_extra_until_they_use_it():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ})
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_the_search_plots_leave_matplotlib_settings_as_they_found_them(tmp_path):
+    """Optuna's plots set the ggplot style globally; after the search's plots every matplotlib
+    setting is as before, so figures drawn later in the process (the density plots) look the same."""
+    optuna = pytest.importorskip("optuna")
+    import matplotlib
+    from eblvm_experiments.search import _plots
+
+    study = optuna.create_study(direction="maximize")
+    for x in (0.1, 0.5, 0.9):
+        study.enqueue_trial({"x": x})
+    study.optimize(lambda trial: -((trial.suggest_float("x", 0.0, 1.0) - 0.3) ** 2), n_trials=3)
+    before = dict(matplotlib.rcParams)
+    _plots(study, tmp_path, complete=3, metric="m")
+    assert (tmp_path / "history.png").is_file()
+    assert dict(matplotlib.rcParams) == before
