@@ -222,7 +222,7 @@ def test_contributings_map_names_every_module_and_package_and_nothing_else():
                 assert name in listed, f"{package}/{name} is not in CONTRIBUTING.md's layout"
     modules = {p.name for package in ("eblvm", "eblvm_core") for p in (ROOT / package).glob("*.py")}
     directories = {
-        p.name + "/" for package in ("eblvm", "eblvm_core") for p in (ROOT / package).iterdir() if p.is_dir()
+        p.name + "/" for package in ("eblvm", "eblvm_core", "docs") for p in (ROOT / package).iterdir() if p.is_dir()
     }
     top = {
         "eblvm/",
