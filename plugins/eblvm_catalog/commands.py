@@ -115,7 +115,10 @@ def runs(
     rows = []
     for provenance in sorted(folder.rglob(PROVENANCE)):
         run_dir = provenance.parent
-        sessions = (_read_json(provenance) or {}).get("sessions") or [{}]
+        data = _read_json(provenance)
+        sessions = data.get("sessions") if isinstance(data, dict) else None
+        if not isinstance(sessions, list) or not sessions or not all(isinstance(x, dict) for x in sessions):
+            sessions = [{}]  # half-written or edited: shown as unreadable
         first, last = sessions[0], sessions[-1]
         step, evaluation = _last_eval(run_dir)
         total = last.get("to_step")

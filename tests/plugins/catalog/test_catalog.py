@@ -65,6 +65,9 @@ def test_runs_lists_each_run_with_its_status_steps_metric_and_device(cli, tmp_pa
     broken = tmp_path / "runs" / "broken" / "20260101-000000"
     broken.mkdir(parents=True)
     (broken / "run.json").write_text("{half")
+    listed = tmp_path / "runs" / "listed" / "20260101-000000"
+    listed.mkdir(parents=True)
+    (listed / "run.json").write_text("[1, 2]")  # JSON, but not a run's
     result = cli(["runs", tmp_path / "runs"])
     assert result.exit_code == 0, result.output
     header, *lines = result.output.splitlines()
@@ -72,7 +75,8 @@ def test_runs_lists_each_run_with_its_status_steps_metric_and_device(cli, tmp_pa
     ours = next(line for line in lines if line.startswith(str(run_dir.relative_to(tmp_path / "runs"))))
     steps = rows[-1]["step"]
     assert ours.split()[2:] == ["finished", f"{steps}/{steps}", f"{key[5:]}={last_eval[key]:.6g}", "cpu"]
-    assert any(line.startswith("broken/20260101-000000") and "unreadable run.json" in line for line in lines)
+    for name in ("broken", "listed"):
+        assert any(line.startswith(f"{name}/20260101-000000") and "unreadable run.json" in line for line in lines)
     assert one_line_error(cli(["runs", tmp_path / "none"])).startswith(f"error: {tmp_path / 'none'}: no such folder")
 
 
