@@ -98,10 +98,10 @@ def _headline(run_dir: Path, evaluation: dict[str, float]) -> str:
     """The recipe's [run] select_metric of the last evaluation, else its first metric: 'key=value'."""
     try:
         recipe = tomllib.loads((run_dir / RECIPE).read_text(encoding="utf-8"))
-        chosen = recipe.get("run", {}).get("select_metric")
-    except (OSError, ValueError):
+        chosen = recipe["run"]["select_metric"]
+    except (OSError, ValueError, KeyError, TypeError):  # no recipe.toml, or one without the key
         chosen = None
-    key = chosen if chosen in evaluation else next(iter(evaluation), None)
+    key = chosen if isinstance(chosen, str) and chosen in evaluation else next(iter(evaluation), None)
     return "" if key is None else f"{key.removeprefix('eval/')}={evaluation[key]:.6g}"
 
 
