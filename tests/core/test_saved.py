@@ -17,24 +17,13 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import EvalResult
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.saved import load_run, pick_sampler, record, resolve_checkpoint, sample_run, samples_image
-from tests.support import SMALL_RECIPE, metrics_rows, only_run_dir, train_small
+from tests.support import SMALL_RECIPE, metrics_rows, only_run_dir, scalars, train_small
 
 quiet = None  # echo=None: nothing printed
 
 KEEP = SMALL_RECIPE.replace("steps = 30", "steps = 40").replace(
     "checkpoint_every = 10", "checkpoint_every = 30\neval_every = 20\nkeep_every = 20"
 )
-
-
-def scalars(output: str) -> dict[str, float]:
-    found = {}
-    for line in output.splitlines():
-        key, _, value = line.partition(": ")
-        try:
-            found[key] = float(value)
-        except ValueError:
-            continue
-    return found
 
 
 # ---- which checkpoint ----------------------------------------------------------------------------

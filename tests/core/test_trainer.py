@@ -10,7 +10,6 @@ exactly when select_metric stops improving.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import attrs
 import pytest
@@ -21,7 +20,7 @@ from eblvm_core import plugins
 from eblvm_core.config import option, positive
 from eblvm_core.contracts import EvalResult, Parts
 from eblvm_core.hookspecs import hookimpl
-from tests.support import RECIPES, SMALL_RECIPE, metrics_rows, only_run_dir
+from tests.support import RECIPES, SMALL_RECIPE, metrics_rows, networks, only_run_dir, same_tensors, scalars
 
 # ---- the test plugin -----------------------------------------------------------------------------
 
@@ -51,28 +50,6 @@ def build_scripted(cfg: ScriptedConfig, parts: Parts):
 @hookimpl
 def register_evaluators(register):
     register("scripted", build_scripted, ScriptedConfig)
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-
-
-def scalars(output: str) -> dict[str, float]:
-    found = {}
-    for line in output.splitlines():
-        key, _, value = line.partition(": ")
-        try:
-            found[key] = float(value)
-        except ValueError:
-            continue
-    return found
-
-
-def networks(path: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load(path)["networks"]["model"]
-
-
-def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---- evaluations along the way -------------------------------------------------------------------

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +16,9 @@ import torch
 import eblvm
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import ConfigError, EblvmError
-from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters
+from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters, only_run_dir
 
 quiet = None  # echo=None: nothing printed
-
-
-def only_run_dir(out: Path) -> Path:
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
 
 
 def printed(output: str) -> dict[str, str]:

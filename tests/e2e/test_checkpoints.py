@@ -7,38 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from eblvm_core import checkpoint as ckpt
-from tests.support import SMALL_RECIPE
+from tests.support import SMALL_RECIPE, networks, only_run_dir, same_tensors, scalars
 
 
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def only_run_dir(out: Path) -> Path:
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
-
-
-def scalars(output: str) -> dict[str, float]:
-    found = {}
-    for line in output.splitlines():
-        key, _, value = line.partition(": ")
-        try:
-            found[key] = float(value)
-        except ValueError:
-            continue
-    return found
-
-
-def networks(path: Path) -> dict[str, torch.Tensor]:
-    return ckpt.load(path)["networks"]["model"]
-
-
-def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 KEEP = SMALL_RECIPE.replace("steps = 30", "steps = 40").replace(

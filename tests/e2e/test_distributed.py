@@ -26,7 +26,7 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
-from tests.support import BISM, ROOT, SMALL_RECIPE
+from tests.support import BISM, ROOT, SMALL_RECIPE, only_run_dir
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
@@ -103,12 +103,6 @@ def wait(procs: list[subprocess.Popen], logs: Path) -> list[int]:
 
 def read_logs(logs: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(logs.parent.glob(f"{logs.name}.rank*")))
-
-
-def only_run_dir(out: Path) -> Path:
-    (name_dir,) = list(out.iterdir())
-    (run_dir,) = list(name_dir.iterdir())
-    return run_dir
 
 
 def records(run_dir: Path) -> list[dict]:

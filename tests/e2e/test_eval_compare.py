@@ -15,7 +15,7 @@ from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.contracts import DataSplits
-from tests.support import RECIPES, session_run
+from tests.support import RECIPES, scalars, session_run
 
 TINY_CD = """
 log = []
@@ -55,18 +55,6 @@ kind = "ais-loglik"
 n_chains = 200
 n_temps = 200
 """
-
-
-def scalars(output: str) -> dict[str, float]:
-    """'name: value' lines of a command's output."""
-    found = {}
-    for line in output.splitlines():
-        key, sep, value = line.partition(": ")
-        try:
-            found[key] = float(value)
-        except ValueError:
-            continue
-    return found
 
 
 def records(run_dir: Path) -> list[dict]:

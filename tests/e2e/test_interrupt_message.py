@@ -11,12 +11,7 @@ import pytest
 import typer
 
 from eblvm_core import checkpoint as ckpt
-from tests.support import poison_at
-
-
-def only_run_dir(out):
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
+from tests.support import only_run_dir, poison_at
 
 
 def lines(output: str) -> list[str]:

@@ -9,11 +9,7 @@ import re
 from pathlib import Path
 
 import eblvm
-
-
-def only_run_dir(out: Path) -> Path:
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
+from tests.support import only_run_dir
 
 
 def shape(lines: list[str], run_dir: Path) -> list[str]:

@@ -10,15 +10,9 @@ import pytest
 import torch
 
 from eblvm_core import checkpoint as ckpt
-from tests.support import SMALL_RECIPE, kill_run_when
+from tests.support import SMALL_RECIPE, kill_run_when, only_run_dir
 
 WITH_PLOT = SMALL_RECIPE + '\n[[eval]]\nkind = "density-plot"\ngrid = 40\n'
-
-
-def only_run_dir(out: Path) -> Path:
-    (name_dir,) = list(out.iterdir())
-    (run_dir,) = list(name_dir.iterdir())
-    return run_dir
 
 
 def test_short_run_writes_run_directory(cli, write_recipe, tmp_path):

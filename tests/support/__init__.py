@@ -159,6 +159,30 @@ def only_run_dir(out: Path) -> Path:
     return run_dir
 
 
+def scalars(output: str) -> dict[str, float]:
+    """The 'name: value' lines of a command's output, as numbers."""
+    found = {}
+    for line in output.splitlines():
+        key, _, value = line.partition(": ")
+        try:
+            found[key] = float(value)
+        except ValueError:
+            continue
+    return found
+
+
+def networks(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in a checkpoint file."""
+    from eblvm_core import checkpoint as ckpt
+
+    return ckpt.load(checkpoint)["networks"]["model"]
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same names holding the same tensors, bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def metrics_rows(run_dir: Path) -> list[dict]:
     """Every row of ``run_dir``'s metrics.jsonl."""
     import json

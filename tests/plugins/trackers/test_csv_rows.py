@@ -14,14 +14,9 @@ from pathlib import Path
 import pytest
 
 from eblvm import testing
-from tests.support import SMALL_RECIPE
+from tests.support import SMALL_RECIPE, only_run_dir
 
 CSV = SMALL_RECIPE + '\n[[log]]\nkind = "csv"\n'
-
-
-def only_run_dir(out: Path) -> Path:
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
 
 
 def ok(result) -> None:

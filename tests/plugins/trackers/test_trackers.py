@@ -23,15 +23,10 @@ import torch
 from PIL import Image
 
 from eblvm_core import plugins, testing
-from tests.support import ROOT, SMALL_RECIPE
+from tests.support import ROOT, SMALL_RECIPE, only_run_dir
 
 LOG = {kind: f'\n[[log]]\nkind = "{kind}"\n' for kind in ("csv", "wandb", "mlflow")}
 IMAGES = '\n[[eval]]\nkind = "density-plot"\n'  # an evaluator that returns an image on 2-D data
-
-
-def only_run_dir(out: Path) -> Path:
-    ((run_dir,),) = [list(p.iterdir()) for p in out.iterdir()]
-    return run_dir
 
 
 def train(cli, write_recipe, tmp_path: Path, text: str, *overrides: str) -> Path:
