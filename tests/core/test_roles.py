@@ -4,14 +4,12 @@ on EMA weights, and its NaN guard covers every role; validate checks [optim.<rol
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import plugins
 from eblvm_core.errors import TrainingDiverged
-from tests.support import ROOT
+from tests.support import ROOT, metrics_rows
 
 RECIPE = """
 log = []
@@ -98,10 +96,6 @@ def train(write_recipe, tmp_path, *overrides, name="r.toml"):
     return run(write_recipe(RECIPE, name), list(overrides), out=tmp_path / "runs", echo=lambda _line: None)
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def expected_lr(role: str, t: int) -> float:
     """The closed forms of the recipe's schedules at training step t (0-based): 20 steps per epoch."""
     if role == "energy":
@@ -115,7 +109,7 @@ def expected_lr(role: str, t: int) -> float:
 
 def test_three_roles_train_log_their_schedules_and_checkpoint(write_recipe, tmp_path):
     run_dir, results = train(write_recipe, tmp_path)
-    logged = [r for r in rows(run_dir) if "train/loss" in r]
+    logged = [r for r in metrics_rows(run_dir) if "train/loss" in r]
     assert [r["step"] for r in logged] == [5, 10, 15, 20, 25, 30, 35, 40]
     for record in logged:
         for role in ("energy", "encoder", "generator"):

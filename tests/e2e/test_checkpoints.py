@@ -4,16 +4,8 @@ tested in tests/core/test_trainer.py, a run's name folder in tests/core/test_run
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from eblvm_core import checkpoint as ckpt
-from tests.support import SMALL_RECIPE, networks, only_run_dir, same_tensors, scalars
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
+from tests.support import SMALL_RECIPE, metrics_rows, networks, only_run_dir, same_tensors, scalars
 
 KEEP = SMALL_RECIPE.replace("steps = 30", "steps = 40").replace(
     "checkpoint_every = 10", "checkpoint_every = 30\neval_every = 20\nkeep_every = 20"
@@ -44,8 +36,8 @@ def test_kept_checkpoints_hold_their_step_and_evaluate_as_training_did(cli, writ
 
     result = cli(["eval", run_dir, "--checkpoint", "step:20"])
     assert result.exit_code == 0, result.output
-    trained = next(r for r in rows(run_dir) if r["step"] == 20 and "eval/exact-loglik/test_loglik" in r)
-    appended = rows(run_dir)[-1]
+    trained = next(r for r in metrics_rows(run_dir) if r["step"] == 20 and "eval/exact-loglik/test_loglik" in r)
+    appended = metrics_rows(run_dir)[-1]
     assert appended["checkpoint"] == "step:20" and appended["step"] == 20
     assert appended["eval/exact-loglik/test_loglik"] == trained["eval/exact-loglik/test_loglik"]
     printed = scalars(result.output)["exact-loglik/test_loglik"]
