@@ -3,6 +3,7 @@ Shared constants and helpers are in ``tests.support``."""
 
 from __future__ import annotations
 
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.support import SMALL_RECIPE
+from tests.support import SMALL_RECIPE, train_small
 
 pytest_plugins = ["eblvm.testing"]  # the plugin kit's fixtures (short_run, tiny_grbm, linear_gaussian)
 
@@ -39,3 +40,16 @@ def cli():
 
     runner = CliRunner()
     return lambda args: runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30; none kept, no best),
+    trained once per test module."""
+    return train_small(tmp_path_factory.mktemp("trained"))
+
+
+@pytest.fixture
+def run_copy(trained, tmp_path) -> Path:
+    """A private copy of the trained run."""
+    return Path(shutil.copytree(trained, tmp_path / "run"))

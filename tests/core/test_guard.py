@@ -5,7 +5,6 @@ parameters, which the run keeps."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,20 +15,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import TrainingDiverged
 from eblvm_core.guard import Guard
 from eblvm_core.state import StepSums
-from tests.support import SMALL_RECIPE, one_line, only_run_dir, poison_at, train_small
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    return train_small(tmp_path_factory.mktemp("trained"))
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    """A private copy of the trained run."""
-    return Path(shutil.copytree(trained, tmp_path / "run"))
-
+from tests.support import SMALL_RECIPE, one_line, only_run_dir, poison_at
 
 # ---- runs that diverge ---------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,20 +17,7 @@ import torch
 
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError, Interrupted
 from eblvm_core.records import Records
-from tests.support import SMALL_RECIPE, one_line, train_small
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    return train_small(tmp_path_factory.mktemp("trained"))
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    """A private copy of the trained run."""
-    return Path(shutil.copytree(trained, tmp_path / "run"))
-
+from tests.support import SMALL_RECIPE, one_line
 
 # ---- sessions ------------------------------------------------------------------------------------
 
@@ -70,7 +56,6 @@ def test_the_run_directory_records_provenance_and_the_console_log(cli, run_copy)
 def test_a_resumed_run_does_not_show_tensorboard_twice_what_it_logs_again(tmp_path):
     """A run killed after its last checkpoint logged steps that the resumed run logs again;
     TensorBoard must show each step once (the resumed writer purges what followed the checkpoint)."""
-    import shutil
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

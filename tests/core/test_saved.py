@@ -81,12 +81,6 @@ def test_record_does_what_eblvm_eval_does(tmp_path):
 # ---- on a run trained once ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30; none kept, no best)."""
-    return train_small(tmp_path_factory.mktemp("trained"))
-
-
 def test_which_checkpoint_last_best_step_or_a_path(trained, tmp_path):
     assert resolve_checkpoint(trained, "last") == ckpt.last_checkpoint(trained)
     with pytest.raises(

@@ -8,10 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import signal
 import tomllib
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,22 +17,10 @@ import torch
 
 import eblvm
 from eblvm_core import checkpoint as ckpt
-from tests.support import SMALL_RECIPE, assert_same_parameters, one_line, only_run_dir, poison_at, snapshot, train_small
+from tests.support import SMALL_RECIPE, assert_same_parameters, one_line, only_run_dir, poison_at, snapshot
 
 QUIET = lambda _line: None  # noqa: E731
 quiet = None  # eblvm.train(echo=None): nothing printed
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    return train_small(tmp_path_factory.mktemp("trained"))
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    """A private copy of the trained run."""
-    return Path(shutil.copytree(trained, tmp_path / "run"))
 
 
 # ---- a new run -----------------------------------------------------------------------------------

@@ -28,22 +28,9 @@ from tests.support import (
     one_line,
     only_run_dir,
     snapshot,
-    train_small,
 )
 
 QUIET = lambda _line: None  # noqa: E731
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30)."""
-    return train_small(tmp_path_factory.mktemp("trained"))
-
-
-@pytest.fixture
-def run_copy(trained, tmp_path) -> Path:
-    """A private copy of the trained run."""
-    return Path(shutil.copytree(trained, tmp_path / "run"))
 
 
 # ---- a checkpoint of another recipe -----------------------------------------------------------------
