@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from eblvm.plugin import ConfigError, fail
 from eblvm.tools import METRICS, PROVENANCE, RECIPE, bundled_recipes, recipe_file
 
 
@@ -22,11 +23,6 @@ def description(path: Path, width: int = 100) -> str:
         lines.append(line.lstrip("#").strip())
     text = " ".join(filter(None, lines)).removeprefix(f"{path.stem}:").strip()
     return text if len(text) <= width else text[: width - 1].rsplit(" ", 1)[0] + "…"
-
-
-def fail(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def recipes(
@@ -53,7 +49,7 @@ def recipes(
     name = words[1]
     try:
         source = recipe_file(f"eblvm:{name.removeprefix('eblvm:')}")
-    except Exception as exc:  # a ConfigError: the name and the closest bundled one
+    except ConfigError as exc:  # the name and the closest bundled one
         fail(str(exc))
     dest = Path(words[2]) if len(words) == 3 else Path(source.name)
     if dest.is_dir():
