@@ -257,9 +257,10 @@ def plugins(
     if name is not None and not shown:
         fail(f"no component '{name}'{did_you_mean(name, sorted({n for _, n, _ in found}))}")
     indent = "  " if name is None and kind is None else ""
-    for plugin in [info.name for info in loaded.plugins]:
+    for info in loaded.plugins:
+        plugin = info.name
         if indent:
-            typer.echo(f"{plugin}  ({next(i.module for i in loaded.plugins if i.name == plugin)})")
+            typer.echo(f"{plugin}  ({info.module})")
         for k, n, _ in (f for f in shown if f[2] == plugin):
             entry = loaded[k].get(n)
             typer.echo(f"{indent}{k[:-1]} {n}: {entry.doc}" + ("" if indent else f"  (plugin {plugin})"))
