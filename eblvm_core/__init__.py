@@ -1,3 +1,8 @@
 """eblvm core: contracts, registries, plugin manager, recipes, the plan, the training loop and the CLI."""
 
-__version__ = "0.2.0"  # the one place the version is written (pyproject reads it; --version and run.json print it)
+from importlib.metadata import PackageNotFoundError, version
+
+try:  # the installed distribution's version, which setuptools-scm took from the git tag at install
+    __version__ = version("eblvm")
+except PackageNotFoundError:  # the files on the path without an install
+    __version__ = "0.0.0+unknown"
