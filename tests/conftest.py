@@ -3,12 +3,14 @@ Shared constants and helpers are in ``tests.support``."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 from typer.testing import CliRunner
 
 from tests.support import SMALL_RECIPE, train_small
@@ -17,6 +19,14 @@ pytest_plugins = ["eblvm.testing"]  # the plugin kit's fixtures (short_run, tiny
 
 # The tests' tensors are tiny: one thread avoids oversubscribing a small CI machine.
 torch.set_num_threads(1)
+
+# Property tests: no deadline (a shared 2-core machine times an example anywhere from 1x to 10x),
+# the failing example printed in full; HYPOTHESIS_PROFILE=thorough tries ten times as many.
+settings.register_profile(
+    "quick", deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+settings.register_profile("thorough", settings.get_profile("quick"), max_examples=1000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 
 
 @pytest.fixture

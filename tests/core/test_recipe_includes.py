@@ -9,10 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eblvm_core.errors import ConfigError
 from eblvm_core.recipe import load_recipe, parse, read
-from tests.support import RECIPES, ROOT, SMALL_RECIPE, one_line_error
+from tests.support import RECIPES, ROOT, SMALL_RECIPE, one_line_error, strategies
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -308,3 +310,149 @@ def test_parse_refuses_what_is_no_toml_text_naming_the_file(tmp_path, data, said
     assert str(refused.value).startswith(f"{path}: {said}"), str(refused.value)
     with pytest.raises(ConfigError, match="is a directory, not a recipe file"):
         parse(tmp_path)
+
+
+# ---- properties (hypothesis) ---------------------------------------------------------------------
+# Data shaped like recipes: at each path a table, an array of tables or a value, the same in every
+# file. (Where the kind changes between files, or a file writes `eval = []`, the grouping of the
+# files matters by design: a file's value replaces, or its empty list clears, what its own
+# includes gave, and nothing outside them.)
+
+COMPOSE = ("include", "replace")  # the top-level keys that compose files, not data
+
+
+def toml_file(folder: Path, name: str, data: dict, include: list[str] = ()) -> None:
+    import tomli_w
+
+    head = tomli_w.dumps({"include": list(include)}) if include else ""
+    (folder / name).write_text(head + tomli_w.dumps(data))
+
+
+recipe_shapes = strategies.shapes.filter(lambda shape: not set(shape) & set(COMPOSE))
+
+
+@pytest.mark.property
+@settings(max_examples=50)
+@given(data=st.data(), shape=recipe_shapes)
+def test_merging_is_associative_and_changes_neither_input(data, shape):
+    """merge(merge(a, b), c) == merge(a, merge(b, c)) for any three recipe-shaped files, and neither
+    argument is changed."""
+    import copy
+
+    from eblvm_core.recipe import merge
+
+    a, b, c = (data.draw(strategies.shaped(shape)) for _ in range(3))
+    before = copy.deepcopy((a, b, c))
+    assert merge(merge(a, b), c) == merge(a, merge(b, c))
+    assert (a, b, c) == before, "merge changed an argument"
+
+
+@pytest.mark.property
+@settings(max_examples=30)
+@given(data=st.data(), shape=recipe_shapes)
+def test_includes_compose_the_same_however_the_files_are_grouped(data, shape):
+    """Three files a, b, c read as one recipe the same whichever way they are grouped: one file
+    including [a, b, c]; ab (including a, with b's keys) under c's keys; a and bc (including b,
+    with c's keys). Each equals the merge of the three."""
+    import tempfile
+
+    from eblvm_core.recipe import merge
+
+    a, b, c = (data.draw(strategies.shaped(shape)) for _ in range(3))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        toml_file(folder, "a.toml", a)
+        toml_file(folder, "b.toml", b)
+        toml_file(folder, "c.toml", c)
+        toml_file(folder, "flat.toml", {}, ["a.toml", "b.toml", "c.toml"])
+        toml_file(folder, "ab.toml", b, ["a.toml"])
+        toml_file(folder, "left.toml", c, ["ab.toml"])
+        toml_file(folder, "bc.toml", c, ["b.toml"])
+        toml_file(folder, "right.toml", {}, ["a.toml", "bc.toml"])
+        flat, left, right = (read(folder / name) for name in ("flat.toml", "left.toml", "right.toml"))
+    assert flat == left == right == merge(merge(a, b), c)
+
+
+def dotted(node: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a table, tables inside it included."""
+    return [
+        p
+        for k, v in node.items()
+        for p in [f"{prefix}{k}", *(dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else [])]
+    ]
+
+
+def without(node: dict, paths: frozenset[str], prefix: str = "") -> dict:
+    """``node`` with the dotted keys of ``paths`` taken out."""
+    return {
+        k: without(v, paths, f"{prefix}{k}.") if isinstance(v, dict) else v
+        for k, v in node.items()
+        if f"{prefix}{k}" not in paths
+    }
+
+
+@pytest.mark.property
+@settings(max_examples=50)
+@given(data=st.data(), shape=recipe_shapes)
+def test_a_replaced_key_is_the_top_files_value_as_if_the_base_had_none(data, shape):
+    """merge(base, top, replace) is merge(base without the replaced keys, top): a replaced key
+    takes the including file's value alone, and every other key merges as always."""
+    from eblvm_core.recipe import merge
+
+    base, top = data.draw(strategies.shaped(shape)), data.draw(strategies.shaped(shape))
+    replace = frozenset(data.draw(st.lists(st.sampled_from(dotted(top)), unique=True))) if top else frozenset()
+    assert merge(base, top, replace) == merge(without(base, replace), top)
+
+
+def reachable_cycle(includes: list[list[int]]) -> bool:
+    """Whether a cycle of includes is reachable from file 0."""
+    state: dict[int, str] = {}
+
+    def visit(node: int) -> bool:
+        state[node] = "open"
+        for child in includes[node]:
+            if state.get(child) == "open" or (child not in state and visit(child)):
+                return True
+        state[node] = "done"
+        return False
+
+    return visit(0)
+
+
+@pytest.mark.property
+@settings(max_examples=60)
+@given(
+    st.integers(min_value=1, max_value=5).flatmap(
+        lambda n: st.lists(
+            st.lists(st.integers(min_value=0, max_value=n - 1), unique=True, max_size=3), min_size=n, max_size=n
+        )
+    )
+)
+def test_an_include_cycle_is_refused_and_anything_else_merges_each_file_once(includes):
+    """Any include graph of up to five files: read from file 0 it is refused, with the files of the
+    loop named in order, exactly when a cycle is reachable; otherwise every reachable file's own
+    keys are merged (a file reached twice once) and no other file's."""
+    import tempfile
+
+    n = len(includes)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for i, children in enumerate(includes):
+            toml_file(folder, f"f{i}.toml", {"files": {f"f{i}": i}}, [f"f{j}.toml" for j in children])
+        if reachable_cycle(includes):
+            with pytest.raises(ConfigError, match="makes an include cycle") as refused:
+                read(folder / "f0.toml")
+            loop = refused.value.message.rpartition(": ")[2].split(" -> ")
+            assert loop[0] == loop[-1] and len(loop) >= 2
+            for outer, inner in zip(loop, loop[1:]):
+                assert int(Path(inner).stem[1:]) in includes[int(Path(outer).stem[1:])], loop
+            return
+        merged = read(folder / "f0.toml")
+
+    reached, todo = set(), [0]
+    while todo:
+        node = todo.pop()
+        if node not in reached:
+            reached.add(node)
+            todo.extend(includes[node])
+    assert merged == {"files": {f"f{i}": i for i in sorted(reached)}} and set(range(n)) >= reached

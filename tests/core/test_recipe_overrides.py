@@ -8,11 +8,14 @@ from __future__ import annotations
 import tomllib
 
 import pytest
+import tomli_w
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 import eblvm
 from eblvm_core.errors import ConfigError
-from eblvm_core.recipe import apply_override, load_recipe, read
-from tests.support import RECIPES, SMALL_RECIPE, one_line_error
+from eblvm_core.recipe import apply_override, apply_overrides, load_recipe, read
+from tests.support import RECIPES, SMALL_RECIPE, one_line_error, strategies
 
 
 def commands(path, tmp_path):
@@ -198,3 +201,106 @@ def test_overrides_apply_left_to_right(write_recipe):
     apply_override(raw, "eval.1.kind=score-loss")
     apply_override(raw, "~eval.0")
     assert raw["eval"] == [{"kind": "score-loss"}]
+
+
+# ---- properties (hypothesis) ---------------------------------------------------------------------
+
+
+def written(value) -> str:
+    """A value as an ``-o`` value is written: its TOML text, on one line (inline tables)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {written(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(written(v) for v in value) + "]"
+    return tomli_w.dumps({"v": value})[len("v = ") :].strip()
+
+
+SECTIONS = ["run", "data", "model", "objective", "estimator"]  # SMALL_RECIPE's single tables
+paths = st.tuples(st.sampled_from(SECTIONS), strategies.keys)
+
+
+@pytest.mark.property
+@given(value=strategies.values)
+def test_any_toml_value_written_after_the_equals_sign_is_that_value(value):
+    """``-o key=VALUE``: any TOML value (numbers to the last bit, strings with any character, arrays,
+    inline tables) reads back as itself, spaces around it or not."""
+    from eblvm_core.recipe import parse_value
+
+    assert strategies.same(parse_value(written(value)), value)
+    raw = tomllib.loads(SMALL_RECIPE)
+    apply_override(raw, f"model.new = {written(value)} ")
+    assert strategies.same(raw["model"]["new"], value)
+
+
+@pytest.mark.property
+@given(word=st.from_regex(r"[A-Za-z_][A-Za-z0-9_.:/-]*", fullmatch=True))
+def test_a_word_that_is_no_toml_value_is_taken_as_a_string(word):
+    """``-o eval.0.split=train``: a bare word is the string itself, unless it is a TOML value
+    (true, false, inf, nan)."""
+    from eblvm_core.recipe import parse_value
+
+    assume(word not in ("true", "false", "inf", "nan"))
+    assert parse_value(word) == word
+
+
+@pytest.mark.property
+@given(path=paths, value=strategies.values)
+def test_an_override_sets_its_key_alone_and_dropping_it_again_gives_the_recipe_back(path, value):
+    """``section.key=VALUE`` changes that key and nothing else; ``~section.key`` after it (the key
+    new) gives the recipe it started from."""
+    import copy
+
+    section, key = path
+    raw = tomllib.loads(SMALL_RECIPE)
+    before = copy.deepcopy(raw)
+    apply_override(raw, f"{section}.{key}={written(value)}")
+    assert strategies.same(raw[section][key], value)
+    assert {k: v for k, v in raw[section].items() if k != key} == {k: v for k, v in before[section].items() if k != key}
+    assert {k: v for k, v in raw.items() if k != section} == {k: v for k, v in before.items() if k != section}
+    if key not in before[section]:
+        apply_override(raw, f"~{section}.{key}")
+        assert raw == before
+
+
+def disjoint(a: tuple[str, ...], b: tuple[str, ...]) -> bool:
+    """Neither path is the other or holds it."""
+    return a[: len(b)] != b and b[: len(a)] != a
+
+
+@pytest.mark.property
+@given(
+    first=st.tuples(st.sampled_from(SECTIONS), strategies.keys, strategies.keys),
+    second=st.tuples(st.sampled_from(SECTIONS), strategies.keys, strategies.keys),
+    depths=st.tuples(st.integers(2, 3), st.integers(2, 3)),
+    values=st.tuples(strategies.values, strategies.values),
+    drops=st.tuples(st.booleans(), st.booleans()),
+)
+def test_overrides_of_different_keys_commute(first, second, depths, values, drops):
+    """Two ``-o`` values that touch different keys (neither key inside the other: ``model.a`` and
+    ``model.b.c``, not ``model.b`` and ``model.b.c``), sets or drops, give the same recipe in
+    either order."""
+    a, b = first[: depths[0]], second[: depths[1]]
+    assume(disjoint(a, b))
+    raw = tomllib.loads(SMALL_RECIPE)
+    overrides = []
+    for path, value, drop in zip((a, b), values, drops):
+        if drop:  # drop a key that is there: set it first (before either order)
+            apply_override(raw, f"{'.'.join(path)}=1")
+        overrides.append(f"~{'.'.join(path)}" if drop else f"{'.'.join(path)}={written(value)}")
+    one, other = tomllib.loads(tomli_w.dumps(raw)), tomllib.loads(tomli_w.dumps(raw))
+    apply_overrides(one, overrides)
+    apply_overrides(other, overrides[::-1])
+    assert strategies.same(one, other)
+
+
+@pytest.mark.property
+@given(text=st.one_of(strategies.texts, st.from_regex(r"~?[a-z0-9.~=_ ]{0,20}(=.*)?", fullmatch=True)))
+def test_any_override_text_sets_a_value_or_is_a_one_line_error_naming_it(text):
+    """Whatever follows ``-o``: it applies, or it is a ConfigError of one line per error, each
+    naming the ``-o`` value; never another exception."""
+    raw = tomllib.loads(SMALL_RECIPE)
+    try:
+        apply_overrides(raw, [text])
+    except ConfigError as exc:
+        assert exc.errors and all(e.file == f"-o {text}" for e in exc.errors)
+        assert all("\n" not in e.message for e in exc.errors), [e.message for e in exc.errors]

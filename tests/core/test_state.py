@@ -5,12 +5,16 @@ alone; a checkpoint that does not fit is an error naming it; kept and best check
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eblvm_core import checkpoint as ckpt
+from eblvm_core import plugins
 from eblvm_core.errors import CheckpointError
 from eblvm_core.trainer import Trainer
 from tests.support import BISM, small_state, trained_tensors
@@ -34,11 +38,35 @@ def everything(state) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def assert_same(a, b) -> None:
-    (ta, pa), (tb, pb) = everything(a), everything(b)
-    assert pa == pb
-    assert ta.keys() == tb.keys()
+    assert_same_snapshot(everything(a), everything(b))
+
+
+def snapshot(state) -> tuple[dict[str, torch.Tensor], dict]:
+    """``everything`` of a state, copied: what it holds now, the process's RNG streams included."""
+    import copy
+
+    tensors, plain = everything(state)
+    return {k: v.clone() for k, v in tensors.items()}, copy.deepcopy(plain)
+
+
+def equal(x, y) -> bool:
+    """Equal to the bit, tensors (dtype included) inside dicts and lists too."""
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        return type(x) is type(y) and x.dtype == y.dtype and torch.equal(x, y)
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(equal(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        return type(x) is type(y) and len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+def assert_same_snapshot(a, b) -> None:
+    (ta, pa), (tb, pb) = a, b
+    assert pa.keys() == pb.keys() and ta.keys() == tb.keys()
+    for key in pa:
+        assert equal(pa[key], pb[key]), (key, pa[key], pb[key])
     for key in ta:
-        assert ta[key].dtype == tb[key].dtype and torch.equal(ta[key], tb[key]), key
+        assert equal(ta[key], tb[key]), key
 
 
 def test_a_restored_state_trains_on_to_the_bit_as_the_saved_one(tmp_path):
@@ -139,3 +167,120 @@ def test_out_of_patience_counts_evaluations_without_improvement():
     recipe, unbounded = small_state()
     unbounded.stale = 100
     assert not unbounded.out_of_patience()
+
+
+# ---- properties (hypothesis) ---------------------------------------------------------------------
+
+# Every bundled estimator on a small recipe (the contract tests' sizes): a GRBM with a Bernoulli q
+# on a small checkerboard, BiDVL's three networks on digits.
+ESTIMATOR_BASE = """
+[run]
+seed = 0
+batch_size = 16
+
+[data]
+kind = "checkerboard"
+n_train = 256
+n_test = 64
+
+[model]
+kind = "grbm"
+n_hidden = 3
+
+[posterior]
+kind = "bernoulli"
+
+[objective]
+kind = "dsm"
+
+[divergence]
+kind = "kl"
+"""
+BIDVL_BASE = """
+[run]
+seed = 0
+batch_size = 8
+
+[data]
+kind = "digits"
+scale = "symmetric"
+
+[model]
+kind = "bidvl-energy"
+base = 4
+
+[posterior]
+kind = "gaussian-dcgan"
+base = 4
+latent_dim = 3
+
+[generator]
+kind = "bidvl-generator"
+base = 4
+latent_dim = 3
+"""
+SMALL_OPTIONS = {
+    "bism-unrolled": {"inner_steps": 1, "unroll_steps": 1},
+    "bism-implicit": {"inner_steps": 1, "solver_steps": 2},
+    "pcd": {"n_chains": 16},
+    "nce": {"init_samples": 200},
+    "vnce": {"init_samples": 200, "inner_steps": 1, "n_importance": 4},
+    "vaes": {"inner_steps": 1},
+    "vages": {"inner_steps": 1},
+}
+
+
+@functools.cache
+def estimator_recipe(name: str) -> dict:
+    """The small recipe of estimator ``name`` with an [optim.<role>] per role it trains."""
+    import tomllib
+
+    from eblvm.testing.checks import _build_with_roles
+
+    raw = tomllib.loads(BIDVL_BASE if name == "bidvl" else ESTIMATOR_BASE)
+    raw["estimator"] = {"kind": name, **SMALL_OPTIONS.get(name, {})}
+    raw["log"] = []
+    _build_with_roles(raw, f"<{name}>")
+    return raw
+
+
+@pytest.mark.property
+@pytest.mark.parametrize("name", plugins.load()["estimators"].names())
+@settings(max_examples=4)
+@given(saved_at=st.integers(1, 3), other_at=st.integers(0, 3), averaged=st.booleans(), seed=st.integers(0, 2**32))
+def test_save_then_load_gives_the_same_state_for_every_estimator_at_any_step(name, saved_at, other_at, averaged, seed):
+    """Every bundled estimator, saved after any number of steps (a parameter average on each role
+    or none): another state built alike and moved elsewhere (other steps, draws from every RNG),
+    loaded from that checkpoint, holds the same state to the bit (networks, every role's optimizer
+    and average, the estimator's own state such as persistent chains, the data's position, the
+    RNG streams), and the two take the same next step."""
+    import copy
+    import random
+    import tempfile
+
+    import numpy as np
+
+    from tests.support import small_state_of
+
+    raw = copy.deepcopy(estimator_recipe(name))
+    raw["run"]["seed"] = seed
+    for role in raw["optim"].values():
+        role["ema"] = 0.9 if averaged else None
+        if not averaged:
+            del role["ema"]
+    recipe, a = small_state_of(copy.deepcopy(raw))
+    steps(a, recipe, saved_at)
+    with tempfile.TemporaryDirectory() as tmp:
+        a.save(Path(tmp))
+        path = ckpt.last_checkpoint(Path(tmp))
+        saved = snapshot(a)
+        steps(a, recipe, 1)
+        after = snapshot(a)  # the RNG streams are the process's: A's next step is taken before B exists
+        recipe, b = small_state_of(copy.deepcopy(raw))
+        steps(b, recipe, other_at)
+        torch.rand(3), random.random(), np.random.rand(2)
+        b.restore(ckpt.read_checkpoint(path), source=path)
+    assert b.step == saved_at
+    assert_same_snapshot(saved, snapshot(b))
+    steps(b, recipe, 1)
+    assert_same_snapshot(after, snapshot(b))

@@ -14,6 +14,8 @@ import json
 import attrs
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import plugins
@@ -313,3 +315,80 @@ def test_after_evaluation_may_end_the_run_at_an_evaluation(tmp_path):
     assert state.step == 15 and sorted(results) == keys
     assert ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))["step"] == 15
     assert [r["step"] for r in metrics_rows(run_dir) if "train/loss" in r] == [10, 15]
+
+
+# ---- properties (hypothesis) ---------------------------------------------------------------------
+
+
+def multiples(every: int | None, up_to: int) -> list[int]:
+    """every, 2 every, ... up to ``up_to`` included (none for 0 or None)."""
+    return list(range(every, up_to + 1, every)) if every else []
+
+
+class Recorded:
+    """What ``Trainer.fit`` did, in order: ("log", step), ("evaluate", step), ("save", step, last,
+    keep); stands in for the trainer's evaluation (never stopping early) and the state's save."""
+
+    def __init__(self, state):
+        self.state, self.done = state, []
+
+    def __call__(self) -> dict[str, float]:
+        self.done.append(("evaluate", self.state.step))
+        return {}
+
+    def early_stop(self):
+        return None
+
+    def save(self, run_dir, last: bool = True, keep: bool = False) -> None:
+        self.done.append(("save", self.state.step, last, keep))
+
+    def log(self, last: bool) -> None:
+        self.done.append(("log", self.state.step))
+
+
+@pytest.mark.property
+@settings(max_examples=40)
+@given(
+    steps=st.integers(1, 40),
+    log_every=st.integers(1, 45),
+    checkpoint_every=st.integers(1, 45),
+    eval_every=st.integers(0, 45),
+    keep_every=st.one_of(st.none(), st.integers(1, 45)),
+)
+def test_the_loop_does_each_action_at_exactly_the_steps_its_settings_say(
+    steps, log_every, checkpoint_every, eval_every, keep_every
+):
+    """For any [run] steps and intervals, ``Trainer.fit`` logs at each multiple of log_every and at
+    the end; evaluates at each multiple of eval_every before the end and once after the last step;
+    writes last.pt at each multiple of checkpoint_every and at the end, a kept checkpoint at each
+    multiple of keep_every (with last.pt where both fall), and last.pt once more after the final
+    evaluation; each once, in step order."""
+    from eblvm_core.trainer import Trainer
+    from tests.support import small_state
+
+    keep = [] if keep_every is None else [f"run.keep_every={keep_every}"]
+    recipe, state = small_state(
+        overrides=[
+            f"run.steps={steps}",
+            f"run.log_every={log_every}",
+            f"run.checkpoint_every={checkpoint_every}",
+            f"run.eval_every={eval_every}",
+            *keep,
+        ]
+    )
+    recorded = Recorded(state)
+    trainer = Trainer(recipe, state, estimator_step=lambda batch: {"loss": torch.zeros(())})
+    trainer.evaluation, trainer.progress.log, state.save = recorded, recorded.log, recorded.save
+    trainer.fit()
+
+    expected = []
+    for step in range(1, steps + 1):
+        if step in multiples(log_every, steps) or step == steps:
+            expected.append(("log", step))
+        if step in multiples(eval_every, steps - 1):
+            expected.append(("evaluate", step))
+        last, kept = step in multiples(checkpoint_every, steps) or step == steps, step in multiples(keep_every, steps)
+        if last or kept:
+            expected.append(("save", step, last, kept))
+    expected += [("evaluate", steps), ("save", steps, True, False)]
+    assert recorded.done == expected

@@ -267,12 +267,16 @@ def small_state(text: str = SMALL_RECIPE, overrides=()):
     seed as a session builds it: what a Trainer trains, with no run directory."""
     import tomllib
 
+    return small_state_of(tomllib.loads(text), overrides)
+
+
+def small_state_of(data: dict, overrides=()):
+    """``small_state`` of a recipe given as TOML-ready data (which it changes: no loggers)."""
     from eblvm_core import checkpoint as ckpt
     from eblvm_core.build import build
     from eblvm_core.session import resolve_recipe
     from eblvm_core.state import RunState
 
-    data = tomllib.loads(text)
     data["log"] = []
     recipe = resolve_recipe(data, ["run.device=cpu", *overrides])
     ckpt.seed_everything(recipe.run.seed)
