@@ -1,10 +1,12 @@
 """eblvm from Python (docs/python.md).
 
-    import eblvm
-
-    run = eblvm.train("recipes/grbm_bissm.toml", overrides={"run.steps": 2000})
-    run.metrics                       # the final evaluation, as `eblvm run` prints it
-    loaded = eblvm.load(run.run_dir)  # model, posterior, sampler, data; evaluate(), sample(n)
+    >>> import eblvm
+    >>> run = eblvm.train("grbm_bissm", overrides={"run.steps": 10}, echo=None)  # in ./runs
+    >>> sorted(run.metrics)[:2]  # the final evaluation, as `eblvm run` prints it
+    ['eval/density-plot/grid_mass', 'eval/exact-loglik/test_loglik']
+    >>> loaded = eblvm.load(run.run_dir, echo=None)  # model, posterior, sampler, data
+    >>> loaded.sample(5).shape  # five draws of the trained model's sampler: v is 2-D
+    torch.Size([5, 2])
 
 Users import ``eblvm``; plugin authors ``eblvm.plugin`` (the contracts a component implements)
 and ``eblvm.tools`` (the shared tools: bi-level steps, collectives, image pipelines, figures).

@@ -4,7 +4,19 @@ launcher needs. The hooks themselves, each with what its factories return, are i
 ``eblvm_core.hookspecs``; the shared tools (bi-level steps, collectives, images, figures) are in
 ``eblvm.tools``. Anything else in eblvm may change without breaking a plugin.
 
-    from eblvm.plugin import ConfigError, Divergence, Parts, hookimpl, option, positive
+    >>> import attrs
+    >>> from eblvm.plugin import ConfigError, option, positive, structure
+    >>> @attrs.frozen
+    ... class MyConfig:
+    ...     alpha: float = option(0.5, "order of the divergence", positive)
+    >>> structure(MyConfig, {"alpha": 2}, "divergence")  # a recipe's [divergence] values, checked
+    MyConfig(alpha=2.0)
+    >>> try:
+    ...     structure(MyConfig, {"alpha": -1, "beta": 1}, "divergence")
+    ... except ConfigError as refused:  # every bad key at once, one line each
+    ...     print(refused)
+    [divergence] alpha: must be > 0, got -1.0
+    [divergence] beta: unknown key; valid keys: alpha
 """
 
 from __future__ import annotations

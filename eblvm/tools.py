@@ -3,7 +3,18 @@ steps, Hessian-vector products and linear solvers (bi-level estimators), the col
 several processes, image pipelines, figures, and the names of a run directory's files. The
 contracts are in ``eblvm.plugin``.
 
-    from eblvm.tools import fit_posterior, grads_or_zeros, sgd_step
+    >>> import torch
+    >>> from eblvm.tools import apply_override, did_you_mean, hvp
+    >>> x = torch.tensor([1.0, 2.0], requires_grad=True)
+    >>> (grad,) = torch.autograd.grad((x**3).sum(), [x], create_graph=True)
+    >>> hvp([grad], [x], [torch.ones(2)])  # the Hessian diag(6x) times (1, 1)
+    [tensor([ 6., 12.])]
+    >>> raw = {"run": {"steps": 10}, "eval": [{"kind": "exact-loglik"}]}
+    >>> apply_override(raw, "eval.1.kind=density-plot")  # a -o value; an index at the end appends
+    >>> [table["kind"] for table in raw["eval"]]
+    ['exact-loglik', 'density-plot']
+    >>> did_you_mean("stepz", ["steps", "seed"])
+    " (did you mean 'steps'?)"
 """
 
 from __future__ import annotations

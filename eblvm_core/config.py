@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+from collections.abc import Callable
 from typing import Any, Literal, Union, get_args, get_origin
 
 import attrs
@@ -35,7 +36,7 @@ def non_negative(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
             raise ValueError(f"must be >= 0, got {value}")
 
 
-def in_range(low: float, high: float):
+def in_range(low: float, high: float) -> Callable[[Any, attrs.Attribute, Any], None]:
     """Validator for low <= value <= high."""
 
     def check(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:

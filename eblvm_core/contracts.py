@@ -286,6 +286,11 @@ class Estimator:
         """Restore what ``state_dict`` returned."""
 
 
+def _event_shape(shape: Iterable[int] | None) -> tuple[int, ...] | None:
+    """A data set's event shape as a tuple; None until ``DataSplits`` reads it off its first example."""
+    return None if shape is None else tuple(shape)
+
+
 @attrs.frozen
 class DataSplits:
     """A data set: train, test and (optionally) val splits of examples shaped ``event_shape``.
@@ -305,7 +310,7 @@ class DataSplits:
     test: Any
     val: Any = None
     bounds: tuple[tuple[float, float], ...] | None = None
-    event_shape: tuple[int, ...] = attrs.field(default=None, converter=lambda s: None if s is None else tuple(s))
+    event_shape: tuple[int, ...] = attrs.field(default=None, converter=_event_shape)
     prepare: Callable[[Tensor], Tensor] | None = None
     augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
     workers: int = 0

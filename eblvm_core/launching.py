@@ -8,8 +8,9 @@ arguments the command passes on) and a spec's ``[launcher]`` table, so every opt
 
 from __future__ import annotations
 
+import os
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,18 @@ from eblvm_core.rundir import RUN_DIR_FILE
 __all__ = ["RUN_DIR_FILE", "Launcher", "RunRequest", "describe_options", "launcher_options", "option_flag", "owner_of"]
 
 
+def _strings(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _path_or_none(path: str | os.PathLike[str] | None) -> Path | None:
+    return None if path is None else Path(path)
+
+
+def _path(path: str | os.PathLike[str]) -> Path:
+    return Path(path)
+
+
 @attrs.frozen
 class RunRequest:
     """What to train: a recipe (a file's path, TOML-ready data or a ``Recipe``) with ``-o``
@@ -32,10 +45,10 @@ class RunRequest:
     line)."""
 
     recipe: Any = None
-    overrides: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    resume: Path | None = attrs.field(default=None, converter=lambda p: None if p is None else Path(p))
+    overrides: tuple[str, ...] = attrs.field(default=(), converter=_strings)
+    resume: Path | None = attrs.field(default=None, converter=_path_or_none)
     device: str | None = None
-    out: Path = attrs.field(default=Path("runs"), converter=Path)
+    out: Path = attrs.field(default=Path("runs"), converter=_path)
     command: str | None = None
 
 
