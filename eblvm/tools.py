@@ -1,5 +1,6 @@
 """The tools eblvm's plugins share, for any plugin: parameters as dicts and differentiable optimizer
-steps, Hessian-vector products and linear solvers (bi-level estimators), the collectives of
+steps, Hessian-vector products and linear solvers (bi-level estimators), MCMC transitions (MALA,
+HMC), step-size adaptation and chain diagnostics (ESS, split R-hat), the collectives of
 several processes, image pipelines, figures, and the names of a run directory's files. The
 contracts are in ``eblvm.plugin``.
 
@@ -41,6 +42,19 @@ from eblvm_core.data import ImageOptions, image_pipeline
 from eblvm_core.distributed import active as collectives_active
 from eblvm_core.distributed import mean_over_ranks, world_size
 from eblvm_core.files import output_file, output_folder, reading
+from eblvm_core.mcmc import (
+    Chains,
+    DualAveraging,
+    Potential,
+    Transition,
+    autograd_potential,
+    chain_diagnostics,
+    chain_diagnostics_keys,
+    effective_sample_size,
+    hmc_step,
+    mala_step,
+    split_rhat,
+)
 from eblvm_core.plot import axes_at, bounds_box, figure, image_grid, render, widest_text
 from eblvm_core.plugins import install_hint
 from eblvm_core.recipe import apply_override, check_unchanged, set_value, validate_with
@@ -66,6 +80,18 @@ __all__ = [
     "trainable",
     "unflat",
     "weighted_mean",
+    # Markov chains: MALA and HMC transitions, step-size adaptation, diagnostics
+    "Chains",
+    "DualAveraging",
+    "Potential",
+    "Transition",
+    "autograd_potential",
+    "chain_diagnostics",
+    "chain_diagnostics_keys",
+    "effective_sample_size",
+    "hmc_step",
+    "mala_step",
+    "split_rhat",
     # several processes
     "collectives_active",
     "mean_over_ranks",
