@@ -45,6 +45,8 @@ class EnergyModel(nn.Module):
       fixed θ (BiSM's K real and N unrolled lower-level steps and its upper level, VaGES's
       lower level and Langevin steps on h) then compute it once per update instead of once per
       evaluation. Models without it are evaluated through ``energy`` as before.
+    - ``gibbs_sweep`` where p(h | v) and p(v | h) can be drawn exactly at any inverse temperature
+      (GRBM): parallel tempering's Gibbs moves.
     """
 
     latent: LatentSpec | None = None
@@ -71,9 +73,19 @@ class EnergyModel(nn.Module):
         """
         return Conditioned(self, v)
 
+    def gibbs_sweep(self, v: Tensor, beta: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """One block-Gibbs sweep of p_β(v, h) ∝ exp(−β E(v, h)) at inverse temperatures β (B,):
+        h ~ p_β(h | v), then v' ~ p_β(v' | h); v (B, *event_shape) -> (v' (B, *event_shape), h (B, m)),
+        a draw of p_β(v, h) when v is one of p_β(v). Draws from ``generator``. Optional."""
+        raise NotImplementedError(f"{type(self).__name__} has no block-Gibbs sweep")
+
     @property
     def has_free_energy(self) -> bool:
         return type(self).free_energy is not EnergyModel.free_energy
+
+    @property
+    def has_gibbs_sweep(self) -> bool:
+        return type(self).gibbs_sweep is not EnergyModel.gibbs_sweep
 
     @property
     def has_conditioning(self) -> bool:
@@ -466,12 +478,32 @@ class Schedule:
         raise NotImplementedError
 
 
+@attrs.frozen
+class Draw:
+    """Samples (n, *event_shape) and the sampler's diagnostics of the chains that drew them, named
+    scalars such as ``acceptance``, ``ess_energy`` and ``rhat_energy`` (empty when it has none)."""
+
+    samples: Tensor
+    diagnostics: dict[str, float] = attrs.field(factory=dict)
+
+
 class Sampler:
-    """Draws samples of v from a model."""
+    """Draws samples of v from a model. A sampler that reports diagnostics (acceptance rates,
+    effective sample sizes, R-hat) overrides ``draw``, and ``sample`` returns its samples."""
 
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
         """n samples (n, *event_shape)."""
         raise NotImplementedError
+
+    def draw(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Draw:
+        """n samples (n, *event_shape), the same as ``sample`` gives for the same generator state,
+        with the diagnostics of the chains that drew them; by default none."""
+        return Draw(self.sample(model, n, generator))
+
+    def diagnostics_keys(self, model: EnergyModel, n: int) -> tuple[str, ...]:
+        """The keys of the diagnostics ``draw(model, n)`` returns, known before it runs (an evaluator
+        that reports them declares them); none by default."""
+        return ()
 
 
 class Logger:

@@ -509,7 +509,8 @@ def check_dataset(data: DataSplits, n: int = 256) -> None:
 
 def check_sampler(sampler: Any, model: EnergyModel, shape: int | tuple[int, ...], n: int = 8) -> None:
     """Assert ``sampler.sample(model, n, generator)`` is finite (n, *shape) (shape: the event shape,
-    or d) and reproducible given the generator's seed."""
+    or d) and reproducible given the generator's seed, and that ``draw`` gives the same samples with
+    finite diagnostics under the keys ``diagnostics_keys`` promises."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     first = sampler.sample(model, n, torch.Generator().manual_seed(0))
     assert first.shape == (n, *shape) and torch.isfinite(first).all(), (
@@ -520,6 +521,12 @@ def check_sampler(sampler: Any, model: EnergyModel, shape: int | tuple[int, ...]
         first,
         msg="the same seed must give the same samples",
     )
+    drawn = sampler.draw(model, n, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(drawn.samples, first, msg="draw must give the samples sample gives for the same seed")
+    promised = tuple(sampler.diagnostics_keys(model, n))
+    assert tuple(drawn.diagnostics) == promised, f"diagnostics {list(drawn.diagnostics)}, promised {list(promised)}"
+    for key, value in drawn.diagnostics.items():
+        assert isinstance(value, float) and math.isfinite(value), f"diagnostic {key} = {value!r} is not a finite float"
 
 
 def check_evaluator(evaluator: Any, parts: Parts) -> Any:

@@ -11,7 +11,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from eblvm.plugin import ConfigError, DataSplits, EnergyModel, Parts, Sampler, non_negative, option, positive
+from eblvm.plugin import ConfigError, DataSplits, Draw, EnergyModel, Parts, Sampler, non_negative, option, positive
+from eblvm.tools import chain_diagnostics, chain_diagnostics_keys
 from eblvm_grbm.model import GRBM
 
 
@@ -85,25 +86,40 @@ class GibbsSampler(Sampler):
     def __init__(self, cfg: GibbsConfig, data: DataSplits | None):
         self.cfg, self.data = cfg, data
 
+    def chains(self, n: int) -> tuple[int, int]:
+        """(parallel chains, states kept per chain) for n samples."""
+        chains = n if self.cfg.n_chains == 0 else min(self.cfg.n_chains, n)
+        return chains, -(-n // chains)
+
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
         """n samples (n, *event_shape) of v from the GRBM's marginal p(v) ((n, d) without data)."""
+        return self.draw(model, n, generator).samples
+
+    def draw(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Draw:
+        """n samples as ``sample`` draws them, with the ESS and split R-hat of the free energy and of
+        projections of the kept states over the chains (when each chain keeps at least 4)."""
         grbm = require_grbm(model, "sampler", "the gibbs sampler")
         cfg = self.cfg
-        chains = n if cfg.n_chains == 0 else min(cfg.n_chains, n)
-        per_chain = -(-n // chains)
+        chains, per_chain = self.chains(n)
         with torch.no_grad():
             v = initial_states(cfg.init, chains, self.data, grbm.b, generator)
             v = gibbs_chain(grbm, v, cfg.burn_in, generator)
-            kept = []
+            states, kept = [], []
             for i in range(per_chain):
                 if i > 0:
                     v = gibbs_chain(grbm, v, cfg.n_steps, generator)
+                states.append(v)
                 if cfg.final_mean:
                     kept.append(grbm.visible_mean(sample_hidden(grbm, v, generator)))
                 else:
                     kept.append(v)
+            trace = torch.stack(states)  # (per_chain, chains, d)
+            diagnostics = chain_diagnostics(grbm.free_energy(trace.flatten(0, 1)).view(per_chain, chains), trace)
         samples = torch.cat(kept)[:n]
-        return samples if self.data is None else samples.reshape(n, *self.data.shape)
+        return Draw(samples if self.data is None else samples.reshape(n, *self.data.shape), diagnostics)
+
+    def diagnostics_keys(self, model: EnergyModel, n: int) -> tuple[str, ...]:
+        return chain_diagnostics_keys(self.chains(n)[1])
 
 
 def build_gibbs(cfg: GibbsConfig, parts: Parts) -> GibbsSampler:

@@ -101,6 +101,15 @@ class GRBM(EnergyModel):
         """Mean b + σ²Uh of p(v | h): h (B, m) -> (B, d)."""
         return self.b + self.sigma**2 * h @ self.coupling_weight().T
 
+    def gibbs_sweep(self, v: Tensor, beta: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """One sweep of p_β(v, h) ∝ exp(−β E(v, h)) at β (B,): h_j ~ Bernoulli(sigmoid(β(c + Uᵀv)_j)),
+        then v' ~ N(b + σ²Uh, σ²/β I); v (B, ...) -> (v' shaped like v, h (B, m))."""
+        with torch.no_grad():
+            h = torch.bernoulli(torch.sigmoid(beta[:, None] * self.hidden_logits(v)), generator=generator)
+            mean = self.visible_mean(h)
+            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device=mean.device)
+            return (mean + self.sigma * noise / beta[:, None].sqrt()).view(v.shape), h
+
     def log_partition(
         self, max_hidden: int = 20, chunk: int | None = None, progress: Callable[[int, int], None] | None = None
     ) -> Tensor:

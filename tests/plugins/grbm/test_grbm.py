@@ -8,6 +8,7 @@ import pytest
 import torch
 from eblvm_grbm.model import GRBM, all_binary
 
+from eblvm.testing import LinearGaussianEBLVM
 from eblvm_core.contracts import exact_score
 from tests.support import grbm_away_from_init
 
@@ -73,3 +74,46 @@ def test_log_partition_refuses_too_many_hidden_units():
 def test_unknown_coupling_is_refused():
     with pytest.raises(ValueError, match="coupling must be"):
         GRBM(2, 3, coupling="tied")
+
+
+def tempered_draws(model: GRBM, beta: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact draws (v (n, d), h (n, m)) of p_β(v, h) ∝ exp(−β E(v, h)), one per β (n,): h from its
+    marginal ∝ exp(β(cᵀh + bᵀUh + ½σ²‖Uh‖²)) by enumeration, then v | h ~ N(b + σ²Uh, σ²/β I)."""
+    hs = all_binary(model.W.shape[1], model.W)
+    uh = hs @ model.coupling_weight().T
+    log_weights = hs @ model.c + uh @ model.b + 0.5 * model.sigma**2 * (uh**2).sum(-1)
+    h = hs[torch.multinomial(torch.softmax(beta[:, None] * log_weights, 1), 1, generator=generator)[:, 0]]
+    noise = torch.randn(len(beta), model.W.shape[0], generator=generator, dtype=beta.dtype)
+    return (model.visible_mean(h) + model.sigma * noise / beta[:, None].sqrt()).detach(), h
+
+
+@COUPLINGS
+def test_gibbs_sweep_keeps_each_rows_tempered_distribution(coupling):
+    """Rows at β = 1, 0.4 and 0.1, started at exact draws of p_β: after three sweeps v's first and
+    second moments, and the returned h's means, agree with fresh exact draws within 5 standard errors."""
+    model = random_grbm(d=2, m=3, coupling=coupling, seed=2)
+    generator = torch.Generator().manual_seed(0)
+    per_beta = 20_000
+    beta = torch.tensor([1.0, 0.4, 0.1], dtype=torch.float64).repeat_interleave(per_beta)
+    v, _ = tempered_draws(model, beta, generator)
+    for _ in range(3):
+        v, h = model.gibbs_sweep(v, beta, generator)
+    fresh_v, fresh_h = tempered_draws(model, beta, generator)
+    for rows in beta.split(per_beta):
+        at = beta == rows[0]
+        for a, b in (
+            (v, fresh_v),
+            (v**2, fresh_v**2),
+            (v[:, :1] * v[:, 1:], fresh_v[:, :1] * fresh_v[:, 1:]),
+            (h, fresh_h),
+        ):
+            a, b = a[at], b[at]
+            stderr = torch.sqrt((a.var(0) + b.var(0)) / len(a))
+            assert ((a.mean(0) - b.mean(0)).abs() < 5 * stderr).all(), (float(rows[0]), a.mean(0), b.mean(0))
+
+
+def test_the_grbm_declares_its_gibbs_sweep_and_a_model_without_one_refuses():
+    model = random_grbm(d=2, m=3)
+    assert model.has_gibbs_sweep and not LinearGaussianEBLVM(2, 2).has_gibbs_sweep
+    with pytest.raises(NotImplementedError, match="LinearGaussianEBLVM has no block-Gibbs sweep"):
+        LinearGaussianEBLVM(2, 2).gibbs_sweep(torch.zeros(1, 2), torch.ones(1))
