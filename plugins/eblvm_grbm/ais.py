@@ -8,7 +8,10 @@ so the hidden biases c are annealed with the coupling. At β = 0, v ~ N(μ, diag
 h ~ Bernoulli(1/2), and log Z_0 = Σ_i ½ log(2π s_i²) + m log 2. Summing out h, the marginal is
     log f_β(v) = −(1 − β) E_A(v) − β ‖v − b‖²/(2σ²) + Σ_j softplus(β a_j),   a = c + Uᵀv.
 The Gibbs sweep at β draws h_j ~ Bernoulli(sigmoid(β a_j)), then v ~ N(m_β, diag 1/λ_β) with
-λ_β = (1 − β)/s² + β/σ² and m_β = ((1 − β) μ/s² + β (b/σ² + Uh))/λ_β.
+λ_β = (1 − β)/s² + β/σ² and m_β = ((1 − β) μ/s² + β (b/σ² + Uh))/λ_β. MALA and HMC transitions
+(``transitions``) move v on U_β = −log f_β instead, with ∇U_β = (1 − β)(v − μ)/s² + β(v − b)/σ² −
+β U sigmoid(β a) and the step size ``step_scale``/√max_i λ_β,i: the largest curvature of U_β's
+quadratic part sets it, fixed in advance, so every transition leaves p_β invariant as AIS needs.
 
 A run over β_0, …, β_K accumulates log w = Σ_k [log f_(β_k)(v_(k−1)) − log f_(β_(k−1))(v_(k−1))],
 with one sweep at β_k after each term but the last. Forward (β from 0 to 1, v_0 exact draws of the
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from eblvm.plugin import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
+from eblvm.tools import Chains, Potential, hmc_step, mala_step
 from eblvm_grbm.gibbs import gibbs_chain, require_grbm
 from eblvm_grbm.model import GRBM
 
@@ -98,16 +102,59 @@ def sweep(model: GRBM, base: Base, v: Tensor, beta: float, logits: Tensor, gener
     return mean + noise / precision.sqrt()
 
 
-def anneal(model: GRBM, base: Base, v: Tensor, betas: list[float], generator: torch.Generator | None = None) -> Tensor:
+Move = Callable[[GRBM, Base, Tensor, float, Tensor, torch.Generator | None], Tensor]
+"""A transition at β leaving p_β(v) invariant: (model, base, v (n, d), β, logits c + Uᵀv (n, m), generator) -> v (n, d)."""
+
+
+def path_potential(model: GRBM, base: Base, beta: float) -> Potential:
+    """U_β(v) = −log f_β(v) = (1 − β)E_A(v) + β‖v − b‖²/(2σ²) − Σ_j softplus(β a_j) and its gradient
+    (1 − β)(v − μ)/s² + β(v − b)/σ² − β sigmoid(βa)Uᵀ: v (n, d) -> ((n,), (n, d))."""
+    coupling, inv_var = model.coupling_weight(), torch.exp(-2 * model.log_sigma)
+
+    def potential(v: Tensor) -> tuple[Tensor, Tensor]:
+        logits = beta * model.hidden_logits(v)
+        energy = (1 - beta) * base.energy(v) + beta * model.visible_quadratic(v) - F.softplus(logits).sum(-1)
+        grad = (1 - beta) * (v - base.mean) / base.var + beta * (v - model.b) * inv_var
+        return energy, grad - beta * torch.sigmoid(logits) @ coupling.T
+
+    return potential
+
+
+def gradient_move(kind: Literal["mala", "hmc"], step_scale: float, leapfrog_steps: int = 1) -> Move:
+    """One MALA or HMC transition (``leapfrog_steps`` steps) on U_β, step size
+    ``step_scale``/√max_i λ_β,i with λ_β = (1 − β)/s² + β/σ²."""
+
+    def move(
+        model: GRBM, base: Base, v: Tensor, beta: float, logits: Tensor, generator: torch.Generator | None
+    ) -> Tensor:
+        precision = (1 - beta) / base.var + beta * torch.exp(-2 * model.log_sigma)
+        step_size = (step_scale / precision.max().sqrt()).expand(len(v))
+        potential = path_potential(model, base, beta)
+        chains = Chains.at(potential, v)
+        if kind == "mala":
+            return mala_step(potential, chains, step_size, generator).chains.x
+        return hmc_step(potential, chains, step_size, leapfrog_steps, generator).chains.x
+
+    return move
+
+
+def anneal(
+    model: GRBM,
+    base: Base,
+    v: Tensor,
+    betas: list[float],
+    generator: torch.Generator | None = None,
+    move: Move = sweep,
+) -> Tensor:
     """Run chains from v (n, d) over ``betas``: log w (n,) float64 = Σ_k log f_(β_k)(v_(k−1)) −
-    log f_(β_(k−1))(v_(k−1)), with one sweep at β_k after each term but the last."""
+    log f_(β_(k−1))(v_(k−1)), with one ``move`` at β_k (a Gibbs sweep by default) after each term but the last."""
     log_w = torch.zeros(len(v), dtype=torch.float64, device=v.device)
     with torch.no_grad():
         for k, (prev, beta) in enumerate(zip(betas[:-1], betas[1:])):
             logits = model.hidden_logits(v)
             log_w += log_ratio(model, base, v, logits, prev, beta).double()
             if k < len(betas) - 2:
-                v = sweep(model, base, v, beta, logits, generator)
+                v = move(model, base, v, beta, logits, generator)
     return log_w
 
 
@@ -127,22 +174,32 @@ def linear_betas(n_temps: int) -> list[float]:
 
 
 def ais_log_partition(
-    model: GRBM, base: Base, n_chains: int, n_temps: int, generator: torch.Generator | None = None
+    model: GRBM,
+    base: Base,
+    n_chains: int,
+    n_temps: int,
+    generator: torch.Generator | None = None,
+    move: Move = sweep,
 ) -> AISResult:
-    """Forward AIS: ``n_chains`` exact base draws annealed over ``n_temps`` linear β from 0 to 1;
-    log Ẑ is a stochastic lower bound of log Z."""
+    """Forward AIS: ``n_chains`` exact base draws annealed over ``n_temps`` linear β from 0 to 1
+    by ``move``; log Ẑ is a stochastic lower bound of log Z."""
     log_z0 = float(base.log_partition(model.W.shape[1]))
-    log_w = anneal(model, base, base.sample(n_chains, generator), linear_betas(n_temps), generator)
+    log_w = anneal(model, base, base.sample(n_chains, generator), linear_betas(n_temps), generator, move)
     return summarise(log_w, 1.0, log_z0)
 
 
 def reverse_ais_log_partition(
-    model: GRBM, base: Base, v: Tensor, n_temps: int, generator: torch.Generator | None = None
+    model: GRBM,
+    base: Base,
+    v: Tensor,
+    n_temps: int,
+    generator: torch.Generator | None = None,
+    move: Move = sweep,
 ) -> AISResult:
-    """Reverse AIS: draws v (n, d) of the GRBM annealed over ``n_temps`` linear β from 1 to 0;
-    log Ẑ is a stochastic upper bound of log Z when the draws are exact."""
+    """Reverse AIS: draws v (n, d) of the GRBM annealed over ``n_temps`` linear β from 1 to 0 by
+    ``move``; log Ẑ is a stochastic upper bound of log Z when the draws are exact."""
     log_z0 = float(base.log_partition(model.W.shape[1]))
-    log_w = anneal(model, base, v, linear_betas(n_temps)[::-1], generator)
+    log_w = anneal(model, base, v, linear_betas(n_temps)[::-1], generator, move)
     return summarise(log_w, -1.0, log_z0)
 
 
@@ -173,10 +230,29 @@ class AISLoglikConfig:
     split: Literal["test", "train", "val"] = option("test", "data split to average log p(v) over")
     seed: int = option(0, "seed of the AIS chains, so that repeated evaluations agree")
     batch_size: int = option(10000, "points per free-energy evaluation", positive)
+    transitions: Literal["gibbs", "mala", "hmc"] = option(
+        "gibbs",
+        "the move at each β: 'gibbs', a block-Gibbs sweep v → h → v; 'mala', a Metropolis-adjusted Langevin step "
+        "on v; 'hmc', an HMC transition of leapfrog_steps steps on v (both on the path's marginal p_β(v))",
+    )
+    step_scale: float = option(
+        0.5,
+        "mala and hmc: step size at β as a fraction of 1/√λ_β, λ_β = max_i (1 − β)/s_i² + β/σ², the largest "
+        "curvature of the path's quadratic part",
+        positive,
+    )
+    leapfrog_steps: int = option(5, "hmc: leapfrog steps per transition", positive)
+
+
+def transition(cfg: AISLoglikConfig) -> Move:
+    """The move at each β that ``cfg.transitions`` names."""
+    if cfg.transitions == "gibbs":
+        return sweep
+    return gradient_move(cfg.transitions, cfg.step_scale, cfg.leapfrog_steps)
 
 
 def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
-    """Mean log p(v), log Z by forward AIS from a base-rate model, checked by reverse AIS; warns on a gap or low ESS."""
+    """Mean log p(v), log Z by forward AIS from a base-rate model (Gibbs, MALA or HMC transitions), checked by reverse AIS; warns on a gap or low ESS."""
     require_grbm(parts.need("model", ""), "", "ais-loglik")
     data = parts.need("data", "")
     if cfg.n_temps < 2:
@@ -197,10 +273,11 @@ def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], Ev
         train = parts.data.tensor("train").flatten(1).to(model.W)
         base = data_base(model, train) if cfg.base == "data" else model_base(model)
         generator = torch.Generator(device=model.W.device).manual_seed(cfg.seed)
-        forward = ais_log_partition(model, base, cfg.n_chains, cfg.n_temps, generator)
+        move = transition(cfg)
+        forward = ais_log_partition(model, base, cfg.n_chains, cfg.n_temps, generator, move)
         start = train[torch.randint(len(train), (cfg.n_reverse_chains,), generator=generator, device=train.device)]
         start = gibbs_chain(model, start, cfg.reverse_burn_in, generator)
-        reverse = reverse_ais_log_partition(model, base, start, cfg.n_temps, generator)
+        reverse = reverse_ais_log_partition(model, base, start, cfg.n_temps, generator, move)
         with torch.no_grad():
             v = parts.data.tensor(s)
             neg_free = sum(float(-model.free_energy(chunk.flatten(1)).sum()) for chunk in v.split(cfg.batch_size))
