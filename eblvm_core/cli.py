@@ -360,8 +360,12 @@ def sample(
     ),
 ) -> None:
     """Draw samples from a trained model with the recipe's sampler settings; save them as an image
-    (a scatter for 2-D data, else a grid upscaled to a readable size, see --scale) and as raw values
-    (n, *event_shape) beside it (.pt or .npy)."""
+    (a scatter for 2-D data, else a grid upscaled to a readable size, see --scale), as raw values
+    (n, *event_shape) beside it (.pt or .npy), and the sampler's diagnostics (acceptance, effective
+    sample size, split R-hat...) beside them as .json, printed too.
+
+    `eblvm sample RUN --sampler hmc` draws by HMC at its defaults; `-o sampler.kind=hmc -o
+    sampler.leapfrog_steps=20` with 20 leapfrog steps."""
     check_device(device)
     if raw not in ("pt", "npy"):
         fail(f"--raw must be pt or npy, got '{raw}'")
@@ -374,21 +378,24 @@ def sample(
 
         from eblvm_core.errors import TrainingDiverged
         from eblvm_core.files import output_file
-        from eblvm_core.saved import load_run, sample_run, samples_image, save_samples
+        from eblvm_core.saved import load_run, sample_run, samples_image, save_diagnostics, save_samples
 
         run = load_run(run_dir, checkpoint, device, override, seed)
         path = output_file(out or run.run_dir / "samples.png", "samples")
-        samples, image, source = sample_run(run, n, sampler)
-        if not bool(torch.isfinite(samples).all()):
+        drawn, image, source = sample_run(run, n, sampler)
+        if not bool(torch.isfinite(drawn.samples).all()):
             raise TrainingDiverged(
                 f"{run.run_dir} step {run.step} ({run.checkpoint}): the sampler {source} drew non-finite samples: "
                 "the model has degenerated; nothing was written"
             )
         if scale is not None:
-            image = samples_image(samples, run.parts.data, scale)
+            image = samples_image(drawn.samples, run.parts.data, scale)
         save_image(image, path)
-        values = save_samples(samples, path, raw)
-        typer.echo(f"{n} samples (step {run.step}, sampler {source}) -> {path}, {values}")
+        values = save_samples(drawn.samples, path, raw)
+        diagnostics = save_diagnostics(run, drawn, source, path)
+        for key, value in drawn.diagnostics.items():
+            typer.echo(f"{key}: {value:.4g}")
+        typer.echo(f"{n} samples (step {run.step}, sampler {source}) -> {path}, {values}, {diagnostics}")
 
     guarded(go)
 

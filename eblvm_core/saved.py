@@ -1,6 +1,7 @@
 """Work on a finished run without retraining: rebuild it from RUN_DIR/recipe.toml, load a
 checkpoint (last, best, one kept at step N, or a file), then evaluate (``eblvm eval``) or draw
-samples (``eblvm sample``); ``LoadedRun`` is also what ``eblvm.load`` gives a Python session.
+samples (``eblvm sample``: an image, the raw samples and the sampler's diagnostics as JSON);
+``LoadedRun`` is also what ``eblvm.load`` gives a Python session.
 
 Evaluator results are appended to RUN_DIR/metrics.jsonl as
 ``{"step": <checkpoint step>, "checkpoint": "<last|best|step:N|path>", "eval/<name>/<key>": value, ...}``,
@@ -10,6 +11,7 @@ tags, and their images are written to RUN_DIR/eval/<name>-<key>-step<step>.png.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +25,7 @@ from torch import Tensor
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.build import Built, _make, build, build_loggers, plan_for
 from eblvm_core.config import structure
-from eblvm_core.contracts import DataSplits, EvalResult, Parts, Sampler
+from eblvm_core.contracts import DataSplits, Draw, EvalResult, Parts, Sampler
 from eblvm_core.errors import ConfigError, EblvmError
 from eblvm_core.evaluation import evaluate
 from eblvm_core.plan import use_threads
@@ -101,10 +103,17 @@ class LoadedRun:
     def sample(self, n: int = 64, sampler: str | None = None, seed: int | None = None) -> Tensor:
         """``n`` samples (n, *event_shape) from the model, drawn by the sampler ``eblvm sample``
         uses (or the sampler named ``sampler``) from a generator seeded by ``seed`` (default: the
-        run's): the raw samples ``eblvm sample`` writes for the same seed."""
+        run's): the raw samples ``eblvm sample`` writes for the same seed. ``draw`` gives them with
+        the sampler's diagnostics."""
+        return self.draw(n, sampler, seed).samples
+
+    def draw(self, n: int = 64, sampler: str | None = None, seed: int | None = None) -> Draw:
+        """``sample(n, sampler, seed)``'s samples with the diagnostics of the chains that drew them
+        (``Draw.diagnostics``: acceptance, ESS and split R-hat..., what ``eblvm sample`` prints and
+        writes to its .json file; empty for a sampler that reports none)."""
         chosen = pick_sampler(self, sampler)[0]
         generator = torch.Generator(device=self.parts.device).manual_seed(self.seed if seed is None else seed)
-        return chosen.sample(self.parts.model, n, generator)
+        return chosen.draw(self.parts.model, n, generator)
 
     def sample_image(self, n: int = 64, sampler: str | None = None, seed: int | None = None) -> Tensor:
         """``sample(n, sampler, seed)`` as the image ``eblvm sample`` saves of them (``samples_image``):
@@ -302,12 +311,30 @@ def samples_image(samples: Tensor, data: DataSplits | None, scale: int | None = 
     return image_grid(images, nrow=max(1, math.isqrt(n)), padding=2, scale=scale)
 
 
-def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Tensor, Tensor, str]:
-    """(samples (n, *event_shape), their image, the sampler's name and where its settings come from) from the run's model."""
+def sample_run(run: LoadedRun, n: int, sampler: str | None = None) -> tuple[Draw, Tensor, str]:
+    """(the samples (n, *event_shape) with their diagnostics, their image, the sampler's name and
+    where its settings come from) from the run's model."""
     chosen, source = pick_sampler(run, sampler)
     generator = torch.Generator(device=run.parts.device).manual_seed(run.seed)
-    samples = chosen.sample(run.parts.model, n, generator)
-    return samples, samples_image(samples, run.parts.data), source
+    drawn = chosen.draw(run.parts.model, n, generator)
+    return drawn, samples_image(drawn.samples, run.parts.data), source
+
+
+def save_diagnostics(run: LoadedRun, drawn: Draw, source: str, path: Path) -> Path:
+    """The diagnostics of the draw beside the image ``path``, as ``.json``: the run's step and
+    checkpoint, the sampler and where its settings come from, the number of samples, the seed and
+    ``diagnostics`` (name -> value; empty for a sampler that reports none); returns the file written."""
+    target = path.with_suffix(".json")
+    record = {
+        "step": run.step,
+        "checkpoint": run.checkpoint,
+        "sampler": source,
+        "n": len(drawn.samples),
+        "seed": run.seed,
+        "diagnostics": drawn.diagnostics,
+    }
+    target.write_text(json.dumps(record, indent=2) + "\n")
+    return target
 
 
 def save_samples(samples: Tensor, path: Path, raw: str) -> Path:

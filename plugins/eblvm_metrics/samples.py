@@ -52,7 +52,7 @@ def named_sampler(name: str, options: dict[str, Any], parts: Parts) -> Sampler:
 
 def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
     """Model samples from a registered sampler (default: Gibbs), clamped to [0, 1] and tiled as an image grid,
-    upscaled to a readable size."""
+    upscaled to a readable size; the sampler's diagnostics (acceptance, ESS, R-hat) as scalars."""
     parts.need("model", "")
     data = parts.need("data", "")
     shape = data.image_shape
@@ -62,14 +62,16 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
 
     low, high = data.bounds[0] if data.bounds else (0.0, 1.0)
 
-    @reporting([])
+    @reporting(sampler.diagnostics_keys(parts.model, cfg.n))
     def evaluate(parts: Parts) -> EvalResult:
         """{"samples": (3, H', W')}: n images of shape (C, H, W) tiled nrow to a row, in [0, 1], every
         pixel repeated scale × scale times (``plot.image_grid``); with a sampler that keeps a
         trajectory (annealed Langevin's ``snapshots``) also {"trajectory"}: one row per chain (up to
-        nrow chains), its states left to right."""
+        nrow chains), its states left to right. The sampler's diagnostics (acceptance, ESS, split
+        R-hat...) are its scalars."""
         generator = torch.Generator(device=parts.device).manual_seed(cfg.seed)
-        samples = sampler.sample(parts.model, cfg.n, generator).detach()  # (n, *event_shape)
+        drawn = sampler.draw(parts.model, cfg.n, generator)
+        samples = drawn.samples.detach()  # (n, *event_shape)
 
         def unit(x: torch.Tensor) -> torch.Tensor:
             return ((x.float().cpu() - low) / (high - low)).clamp(0, 1)
@@ -81,7 +83,7 @@ def build_sample_grid(cfg: SampleGridConfig, parts: Parts) -> Callable[[Parts], 
             k = trajectory.shape[0]
             chains = trajectory[:, : cfg.nrow].transpose(0, 1).reshape(-1, *shape)  # chain-major, states in order
             images["trajectory"] = image_grid(unit(chains), k, cfg.padding, scale)
-        return EvalResult(images=images)
+        return EvalResult(scalars=drawn.diagnostics, images=images)
 
     options = ", ".join(f"{k} = {v}" for k, v in cfg.sampler_options.items())
     evaluate.announce = f"{cfg.n} samples by {cfg.sampler}" + (f" ({options})" if options else "") + "…"

@@ -112,7 +112,13 @@ SMALL: dict[str, dict[str, dict]] = {
             "sampler_options": {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2},
         },
     },
-    "samplers": {"gibbs": {"burn_in": 2}, "annealed-langevin": {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2}},
+    "samplers": {
+        "gibbs": {"burn_in": 2},
+        "annealed-langevin": {"hot_steps": 2, "anneal_steps": 2, "cool_steps": 2},
+        "mala": {"warmup": 10},
+        "hmc": {"warmup": 10, "leapfrog_steps": 2},
+        "tempering": {"warmup": 10, "n_temps": 3},
+    },
     "models": {name: {"width": 4, "blocks": 1, "stages": 2} for name in ("resnet-eblvm", "resnet-ebm")},
     "objectives": {
         "mdsm": {"sigma_min": 0.1, "sigma_max": 0.1, "sigma0": 0.1}

@@ -131,7 +131,7 @@ def test_evaluations_and_samples_repeat_for_a_seed(trained):
     assert samples.shape == (6, 2) and torch.equal(run.sample(6), samples)
     assert torch.equal(run.sample(6, seed=0), samples) and not torch.equal(run.sample(6, seed=1), samples)
     again, image, source = sample_run(run, 6)
-    assert torch.equal(again, samples) and source == "gibbs ([sampler])" and image.shape[0] == 3
+    assert torch.equal(again.samples, samples) and source == "gibbs ([sampler])" and image.shape[0] == 3
 
 
 def test_the_sampler_comes_from_the_recipe_an_evaluator_or_the_models_default(trained):
