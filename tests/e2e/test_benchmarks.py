@@ -168,6 +168,27 @@ def test_bench_subnormals_times_a_run_both_ways(tmp_path, monkeypatch, capsys):
     assert positive(ratio) == pytest.approx(positive(ieee) / positive(flushed), rel=0.05)
 
 
+@pytest.mark.slow
+def test_bench_samplers_measures_every_sampler_at_its_tiny_size(trained, tmp_path, monkeypatch):
+    out = tmp_path / "samplers.md"
+    run_script(BENCHMARKS / "bench_samplers.py", trained, "--smoke", "--out", out, monkeypatch=monkeypatch)
+    text = out.read_text()
+    assert "80 samples (10 chains × 8), 20 warm-up transitions, one CPU thread" in text
+    rows = [row for row in table_rows(text) if row[0] != "sampler"]
+    assert [row[0] for row in rows] == [
+        "exact draws",
+        "Gibbs",
+        "MALA",
+        "HMC (L = 10)",
+        "tempering, Gibbs moves (8 β to 0.1)",
+        "tempering, MALA moves (8 β to 0.1)",
+    ]
+    for label, distance, *measured in rows:
+        assert 0 <= float(distance) <= 1
+        for cell in measured if label != "exact draws" else ():
+            positive(cell.replace(",", ""))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
 def test_bench_cuda_graph_says_it_needs_a_cuda_device(monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
