@@ -25,7 +25,7 @@ from torch import Tensor
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import plugins
 from eblvm_core.build import build
-from eblvm_core.compiled import compile_step
+from eblvm_core.compiled import CompiledStep, compile_step
 from eblvm_core.contracts import EvalResult
 from eblvm_core.errors import EblvmError
 from eblvm_core.evaluation import AfterEvaluation, Stop
@@ -279,9 +279,8 @@ class Prepared:
         self.state = RunState(recipe, built)
         self.echo = echo or _quiet
         with numerics(self.plan):
-            self.compiled, line, _how = (
-                compile_step(self.state) if self.plan.device.type == "cpu" else (None, None, None)
-            )
+            compiled, line, _how = compile_step(self.state) if self.plan.device.type == "cpu" else (None, None, None)
+        self.compiled: CompiledStep | None = compiled
         if line is not None:
             self.echo(line)
         self.trainer = Trainer(recipe, self.state, estimator_step=self.compiled)

@@ -8,7 +8,7 @@ checked against its kind's contract."""
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +184,7 @@ def _check_precision(recipe: Recipe, estimator: Estimator) -> None:
 def _check_select_metric(recipe: Recipe, evaluators: list[tuple[str, Any]]) -> None:
     metric = recipe.run.select_metric
     keys = recipe.reported_keys(evaluators) if metric is not None else None
-    if keys is None or metric in keys:
+    if metric is None or keys is None or metric in keys:
         return
     hint = did_you_mean(metric, sorted(keys))
     raise ConfigError(
@@ -247,7 +247,7 @@ def build(recipe: Recipe, plan: Plan | str | torch.device | None = None, *, dry_
     for absent files (``Parts.warn`` says so).
     """
     if not isinstance(plan, Plan):
-        plan = plan_for(recipe, plan, dry_run=dry_run)
+        plan = plan_for(recipe, None if plan is None else str(plan), dry_run=dry_run)
     dtype = getattr(torch, recipe.run.dtype)
     try:
         early = _early(recipe, dry_run)
@@ -306,7 +306,7 @@ def build_loggers(recipe: Recipe, run_dir: Path) -> list[Logger]:
         raise
 
 
-def dry_run(recipe: Recipe | str | Path, overrides: list[str] = (), check_data: bool = False) -> list[str]:
+def dry_run(recipe: Recipe | str | Path, overrides: Sequence[str] = (), check_data: bool = False) -> list[str]:
     """``eblvm validate`` of one recipe (a ``Recipe``, or a file with ``overrides``): build it on the
     CPU without training or writing; returns the warnings. Raises what ``run`` would raise before
     its first step. Without ``check_data`` data sets may stand in for absent files."""

@@ -149,7 +149,9 @@ def by_role(state: dict[str, Any]) -> dict[str, Any]:
 
 def rng_state() -> dict[str, Any]:
     """Global RNG states of torch (CPU, CUDA), Python and NumPy, in weights-only-safe types."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    assert isinstance(legacy, tuple)  # legacy=True: (kind, keys, pos, has_gauss, cached)
+    kind, keys, pos, has_gauss, cached = legacy
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

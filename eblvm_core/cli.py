@@ -125,7 +125,8 @@ def _not_local(args: list[str]) -> None:
     """Refuse options the local launcher does not take: a launcher's own (naming it), else unknown."""
     flag = next((a.split("=")[0] for a in args if a.startswith("--")), None)
     launchers = _launchers()
-    owner = owner_of(flag, {name: e.config for name, e in launchers.items()}) if flag != "--wait" else None
+    configs = {name: e.config for name, e in launchers.items()}
+    owner = owner_of(flag, configs) if flag is not None and flag != "--wait" else None
     if flag == "--wait":
         owner = next(iter(launchers), None)
         if owner is None:
@@ -400,7 +401,12 @@ def sample(
     guarded(go)
 
 
-EBLVM_COMMANDS = frozenset(command.name or command.callback.__name__ for command in app.registered_commands)
+def _command_name(command: typer.models.CommandInfo) -> str:
+    """A typer command's name: given, else its function's."""
+    return command.name or str(getattr(command.callback, "__name__", ""))
+
+
+EBLVM_COMMANDS = frozenset(_command_name(command) for command in app.registered_commands)
 
 
 def add_plugin_commands(echo: Callable[[str], None] = lambda line: typer.echo(line, err=True)) -> None:
@@ -408,7 +414,7 @@ def add_plugin_commands(echo: Callable[[str], None] = lambda line: typer.echo(li
     own, or one another plugin registered first, is refused with a line through ``echo``."""
     from eblvm_core.plugins import load
 
-    taken = {command.name or command.callback.__name__ for command in app.registered_commands}
+    taken = {_command_name(command) for command in app.registered_commands}
     owners: dict[str, str] = {}
     for command in load().commands:
         name, plugin = command.name, command.plugin
@@ -456,4 +462,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import NoReturn
 
 import typer
 
 from eblvm_core.errors import EblvmError, Interrupted, TrainingDiverged
 
 
-def fail(message: str, code: int = 2, label: str = "error") -> None:
+def fail(message: str, code: int = 2, label: str = "error") -> NoReturn:
     """Print ``message`` on stderr, each of its lines as ``label: line`` (several errors found
     together are one line each), and exit with ``code``."""
     for line in message.splitlines() or [""]:

@@ -287,7 +287,7 @@ class Estimator:
     graph_safe: bool = False
     not_graph_safe: str = "the estimator does not declare its step graph-safe"
 
-    def step(self, batch: Tensor) -> dict[str, float | Tensor]:
+    def step(self, batch: Tensor) -> Mapping[str, float | Tensor]:
         """batch (B, *event_shape) -> metrics; updates parameters through its roles' ``update``."""
         raise NotImplementedError
 

@@ -106,7 +106,8 @@ class Evaluation:
         improved = state.best is None or (value > state.best if run.select_mode == "max" else value < state.best)
         if math.isfinite(value) and improved:
             state.best, state.best_step, state.stale = value, state.step, 0
-            state.save_best(self.records.run_dir)
+            if self.records.run_dir is not None:  # a trainer without records writes no file
+                state.save_best(self.records.run_dir)
         else:
             state.stale += 1
 

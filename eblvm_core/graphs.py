@@ -79,12 +79,13 @@ class GraphedStep:
             return self.step(batch)
         if self.rates is not None:
             self.rates.write()
-        if self.graph is not None:
-            if batch.shape != self.static_batch.shape or batch.dtype != self.static_batch.dtype:
-                self.refuse(f"a batch of shape {tuple(batch.shape)} came after {tuple(self.static_batch.shape)}")
+        static = self.static_batch
+        if self.graph is not None and static is not None:
+            if batch.shape != static.shape or batch.dtype != static.dtype:
+                self.refuse(f"a batch of shape {tuple(batch.shape)} came after {tuple(static.shape)}")
                 self.graph = None
                 return self.step(batch)
-            self.static_batch.copy_(batch)
+            static.copy_(batch)
             self.graph.replay()
             return self.static_metrics
         self.calls += 1

@@ -7,13 +7,15 @@ are imported inside the functions, so ``eblvm --help`` and plugin loading never 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn, never at start-up
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
 Box = tuple[tuple[float, float], tuple[float, float]]  # a view in data units: ((x_lo, x_hi), (y_lo, y_hi))
@@ -27,24 +29,37 @@ MIN_SIDE = 64  # pixels on the shorter side of each image of a grid, unless a sc
 
 
 def _rgb(colour: tuple[int, int, int]) -> tuple[float, float, float]:
-    return tuple(c / 255 for c in colour)
+    red, green, blue = colour
+    return red / 255, green / 255, blue / 255
 
 
 # ---- canvas ----------------------------------------------------------------------------------
 
 
-def figure(width: int, height: int, layout: str | None = None) -> Figure:
+def figure(width: int, height: int, layout: Literal["constrained"] | None = None) -> Figure:
     """A matplotlib Figure on an Agg canvas that renders to exactly ``width`` × ``height`` pixels;
     ``layout="constrained"`` lets matplotlib place the axes, None leaves it to ``axes_at``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
 
     # a hair more than the size: Agg truncates width × DPI, which can fall just short (0.29 × 100)
     fig = Figure(figsize=((width + 1e-3) / DPI, (height + 1e-3) / DPI), dpi=DPI, layout=layout)
-    if layout == "constrained":
-        fig.get_layout_engine().set(w_pad=8 / DPI, h_pad=8 / DPI)  # 8 pixels around the edges
+    engine = fig.get_layout_engine()
+    if isinstance(engine, ConstrainedLayoutEngine):
+        engine.set(w_pad=8 / DPI, h_pad=8 / DPI)  # 8 pixels around the edges
     FigureCanvasAgg(fig)
     return fig
+
+
+def _canvas(fig: Figure) -> FigureCanvasAgg:
+    """The Agg canvas ``figure`` gave ``fig``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = fig.canvas
+    if not isinstance(canvas, FigureCanvasAgg):
+        raise TypeError(f"a figure made by eblvm's figure() draws on an Agg canvas, not {type(canvas).__name__}")
+    return canvas
 
 
 def axes_at(fig: Figure, rect: Rect) -> Axes:
@@ -58,8 +73,9 @@ def render(fig: Figure) -> Tensor:
     """Draw ``fig`` on its Agg canvas: (3, H, W) float in [0, 1] (white where nothing is drawn)."""
     import numpy as np
 
-    fig.canvas.draw()
-    rgba = np.asarray(fig.canvas.buffer_rgba())
+    canvas = _canvas(fig)
+    canvas.draw()
+    rgba = np.asarray(canvas.buffer_rgba())
     return torch.from_numpy(np.ascontiguousarray(rgba[..., :3])).permute(2, 0, 1).float() / 255
 
 
@@ -134,7 +150,7 @@ def scatter(
     fig = figure(*size, layout="constrained")
     ax = fig.add_subplot()
     dot = 16 if len(points) <= 2000 else 4  # marker area in points²
-    handles = []
+    handles: list[Artist] = []
     inside = points[~outside].numpy()
     ax.scatter(inside[:, 0], inside[:, 1], s=dot, color=_rgb(POINT_COLOUR), linewidths=0)
     handles.append(Line2D([], [], linestyle="", marker="o", color=_rgb(POINT_COLOUR), label="samples"))
@@ -168,5 +184,5 @@ def widest_text(texts: list[str]) -> float:
     """Width in pixels of the widest of ``texts`` at matplotlib's default font size, as a legend
     draws them (measured on one scratch figure)."""
     fig = figure(1, 1)
-    renderer = fig.canvas.get_renderer()
+    renderer = _canvas(fig).get_renderer()
     return max(fig.text(0, 0, text).get_window_extent(renderer=renderer).width for text in texts)

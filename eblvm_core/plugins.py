@@ -12,6 +12,7 @@ components are withdrawn; the others keep working.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -124,10 +125,12 @@ def _candidates() -> list[tuple[str, str, Callable[[], Any]]]:
         dist = getattr(eps[name], "dist", None)
         return (getattr(dist, "name", None) != DISTRIBUTION, name)
 
-    found = [(name, module, lambda m=module: importlib.import_module(m)) for name, module in BUILTIN.items()]
+    found: list[tuple[str, str, Callable[[], Any]]] = [
+        (name, module, functools.partial(importlib.import_module, module)) for name, module in BUILTIN.items()
+    ]
     found += [(name, eps[name].value, eps[name].load) for name in sorted(wanted & set(eps), key=bundled_first)]
     extra = [m.strip() for m in os.environ.get("EBLVM_PLUGIN_MODULES", "").split(",") if m.strip()]
-    found += [(module, module, lambda m=module: importlib.import_module(m)) for module in extra]
+    found += [(module, module, functools.partial(importlib.import_module, module)) for module in extra]
     return found
 
 

@@ -38,9 +38,10 @@ class Records:
 
     def __init__(self, run_dir: Path | None, console: Callable[[str], None] = quiet, writes: bool = True):
         self.run_dir, self.writes = run_dir, writes and run_dir is not None
-        self.echo: Callable[[str], None] = RunLog(run_dir, console) if self.writes else quiet
+        self.log = RunLog(run_dir, console) if writes and run_dir is not None else None
+        self.echo: Callable[[str], None] = self.log if self.log is not None else quiet
         self.loggers: list[Logger] = []
-        self.provenance = Provenance(run_dir) if self.writes else None
+        self.provenance = Provenance(run_dir) if writes and run_dir is not None else None
         self.started = False  # the session is in run.json
 
     def open(
@@ -59,38 +60,39 @@ class Records:
         checkpoint at ``step`` (and the final evaluation when ``final_pending``: it runs again),
         from metrics.jsonl and the loggers; open the session in run.json; make the loggers. A new
         run that cannot start this way leaves nothing behind; an OSError is a FileSystemError."""
-        if not self.writes:
+        run_dir, provenance, log = self.run_dir, self.provenance, self.log
+        if run_dir is None or provenance is None or log is None:
             return
         try:
-            write_recipe(recipe, self.run_dir)
-            moved = self.provenance.move_damaged_aside()
+            write_recipe(recipe, run_dir)
+            moved = provenance.move_damaged_aside()
             if moved is not None:
                 self.echo(
-                    f"warning: {self.provenance.path} could not be read ({self.provenance.damaged}): moved aside to "
+                    f"warning: {provenance.path} could not be read ({provenance.damaged}): moved aside to "
                     f"{moved}, with the sessions it recorded; a new run.json starts here"
                 )
             if resumed:
-                clean_metrics(self.run_dir, step, final_pending)
-            self.provenance.start(str(plan.device), plan.world, step, threads, command, launched_by, training_step)
+                clean_metrics(run_dir, step, final_pending)
+            provenance.start(str(plan.device), plan.world, step, threads, command, launched_by, training_step)
             self.started = True
-            for name, why in self.provenance.data["sessions"][-1]["plugins_failed"].items():
-                self.echo.write(f"eblvm: plugin '{name}' failed to load and was skipped: {why}")  # said at load
-            self.loggers = build_loggers(recipe, self.run_dir)
+            for name, why in provenance.data["sessions"][-1]["plugins_failed"].items():
+                log.write(f"eblvm: plugin '{name}' failed to load and was skipped: {why}")  # said at load
+            self.loggers = build_loggers(recipe, run_dir)
             if resumed:
                 for logger in self.loggers:
                     logger.resume(step)
         except BaseException as exc:
             if not resumed:
-                shutil.rmtree(self.run_dir, ignore_errors=True)  # a run that could not start leaves nothing
+                shutil.rmtree(run_dir, ignore_errors=True)  # a run that could not start leaves nothing
                 with contextlib.suppress(OSError):
-                    self.run_dir.parent.rmdir()  # nor an empty <out>/<name>/
+                    run_dir.parent.rmdir()  # nor an empty <out>/<name>/
                 self.started = False
             if isinstance(exc, OSError):
-                raise cannot_write(exc, self.run_dir) from None
+                raise cannot_write(exc, run_dir) from None
             raise
 
     def record(self, step: int, scalars: dict[str, float], images: dict[str, Tensor] | None = None) -> None:
-        if not self.writes:
+        if not self.writes or self.run_dir is None:
             return
         append_metrics(self.run_dir, step, scalars)
         for logger in self.loggers:
@@ -107,7 +109,7 @@ class Records:
 
     def failed(self, exc: BaseException) -> None:
         """An eblvm error's line in run.log (what the CLI prints of it)."""
-        if self.writes and isinstance(exc, EblvmError):
+        if self.writes and self.run_dir is not None and isinstance(exc, EblvmError):
             label = "interrupted" if isinstance(exc, Interrupted) else "error"
             with contextlib.suppress(OSError):
                 RunLog(self.run_dir, quiet).write(f"{label}: {exc}")
@@ -117,6 +119,6 @@ class Records:
         for logger in self.loggers:
             with contextlib.suppress(Exception):
                 logger.close()
-        if self.started:
+        if self.started and self.provenance is not None:
             with contextlib.suppress(OSError):
                 self.provenance.end(status, step)

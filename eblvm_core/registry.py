@@ -99,9 +99,10 @@ class Entry:
 
 def option_default(field: attrs.Attribute) -> Any:
     """An option's default value (a factory's called), or ``attrs.NOTHING`` for a required option."""
-    if isinstance(field.default, attrs.Factory):  # type: ignore[arg-type]
-        return field.default.factory()
-    return field.default
+    default: Any = field.default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]  # attrs types Factory as a function
+        return default.factory()
+    return default
 
 
 def _default(field: attrs.Attribute) -> Any:

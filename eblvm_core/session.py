@@ -85,6 +85,7 @@ def run(
     with stop_on_signals(stop_signals) as signals, distributed.process_group(plan.device), _Locks() as locks:
         prepared = _prepare(recipe, plan, request.out, resume, locks, say)
         if isinstance(prepared, str):  # nothing left to do
+            assert resume is not None, "only a resumed run can have nothing left to do"
             say(prepared)
             return resume, {}
         recipe, run_dir, state, (compiled, step_line, how) = prepared
@@ -135,14 +136,16 @@ def _prepare(
         checkpoint = _checked_resume(recipe, resume, locks)
         if isinstance(checkpoint, str):
             return checkpoint
-    ckpt.seed_everything(recipe.run.seed)
+    seed = recipe.run.seed
+    assert seed is not None, "a session's recipe has its seed (chosen and written back when absent)"
+    ckpt.seed_everything(seed)
     built = build(recipe, plan)
     if plan.device_note is not None:
         say(f"device auto: {plan.device_note}; training on the CPU")
     state = RunState(recipe, built)
     if plan.rank:
-        ckpt.seed_everything(distributed.rank_seed(recipe.run.seed, plan.rank))
-    if checkpoint is not None:
+        ckpt.seed_everything(distributed.rank_seed(seed, plan.rank))
+    if checkpoint is not None and resume is not None:
         state.restore(ckpt.to_device(checkpoint, plan.device), source=ckpt.last_checkpoint(resume))
     with numerics(plan):  # compiled with the threads and numerics it runs with
         compiled = compile_step(state) if plan.device.type == "cpu" else (None, None, None)
@@ -167,6 +170,8 @@ def _fit(
     ("pruned"), "diverged", "interrupted" or "failed". ``step`` is (the log's line on how the
     training step runs, what run.json records of it)."""
     recipe, state, plan = trainer.recipe, trainer.state, trainer.state.built.plan
+    run_dir = records.run_dir
+    assert run_dir is not None, "a session's records are those of its run directory"
     step_line, how = step
     status = "failed"
     try:
@@ -174,7 +179,7 @@ def _fit(
         records.open(recipe, plan, state.step, threads, resumed, request.command, launched_by, final_pending, how)
         for warning in state.parts.warnings:
             records.echo(f"warning: {warning}")
-        records.echo(_opening(recipe, state, records.run_dir, threads, resumed))
+        records.echo(_opening(recipe, state, run_dir, threads, resumed))
         if step_line is not None:
             records.echo(step_line)
         signals.watch(trainer)
@@ -184,10 +189,10 @@ def _fit(
             since = _kept(state) or "no checkpoint had been written, so it starts again from step 0"
             raise Interrupted(
                 f"Ctrl-C at step {state.step}, stopped at once; resume with: "
-                f"{resume_command(records.run_dir, plan.world)} ({since})"
+                f"{resume_command(run_dir, plan.world)} ({since})"
             ) from None
         except (DataError, OSError) as exc:
-            raise _mid_run(exc, records.run_dir, state) from None
+            raise _mid_run(exc, run_dir, state) from None
         finally:
             signals.done()
         status = "finished" if trainer.stopped is None else trainer.stopped.status
@@ -221,10 +226,7 @@ def _mid_run(exc: DataError | OSError, run_dir: Path, state: RunState) -> EblvmE
     the run directory's write error (exit 1)."""
     kept = _kept(state) or "no checkpoint was written"
     filename = getattr(exc, "filename", None)
-    written = isinstance(exc, OSError) and (
-        filename is None or Path(run_dir).resolve() in Path(filename).resolve().parents
-    )
-    if written:
+    if isinstance(exc, OSError) and (filename is None or Path(run_dir).resolve() in Path(filename).resolve().parents):
         return cannot_write(exc, run_dir, f"; {kept}")
     what = _own_line(exc) if isinstance(exc, DataError) else f"{filename}: cannot read: {exc.strerror or exc}"
     return DataError(f"{what}; {kept}; once it is fixed, resume with: {resume_command(run_dir, state.world)}")

@@ -5,7 +5,7 @@ differences or an exact value, a shape), with a message saying what failed and w
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from eblvm_core.contracts import (
 )
 
 
-def _grads(value: Tensor, params: list[Tensor]) -> list[Tensor]:
+def _grads(value: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     grads = torch.autograd.grad(value, params, allow_unused=True, retain_graph=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
@@ -272,7 +272,7 @@ def _build_with_roles(raw: dict[str, Any], label: str) -> tuple[Any, Parts]:
 def check_estimator(
     name: str,
     recipe: str | Path | dict,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     seed: int = 0,
     *,
     reference: Callable[[Parts, Tensor], list[Tensor]] | None = None,
@@ -574,7 +574,9 @@ def check_optimizer(optimizer: Any, param: Tensor) -> None:
 
 def _laplace_free_energy(model: EnergyModel, v: Tensor, n: int) -> tuple[Tensor, Tensor]:
     """−log ∫ exp(−E(v, h)) dh by importance sampling from N(mode, 1.5² H⁻¹) per point, and its standard error."""
-    b, m = len(v), model.latent.dim
+    latent = model.latent
+    assert latent is not None, "a model with continuous latents"
+    b, m = len(v), latent.dim
     h = torch.zeros(b, m, dtype=v.dtype, requires_grad=True)
     opt = torch.optim.LBFGS([h], max_iter=200, tolerance_grad=1e-10, line_search_fn="strong_wolfe")
 

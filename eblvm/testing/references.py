@@ -46,7 +46,7 @@ class LinearGaussianEBLVM(EnergyModel):
 
     def __init__(self, d: int, m: int, generator: torch.Generator | None = None, dtype: torch.dtype = F64):
         super().__init__()
-        self.latent = LatentSpec("gaussian", m)
+        self.latent: LatentSpec = LatentSpec("gaussian", m)
 
         def rand(*shape: int) -> Tensor:
             return torch.randn(*shape, generator=generator, dtype=dtype)
@@ -88,11 +88,13 @@ class LinearGaussianEBLVM(EnergyModel):
         """Make a linear Gaussian posterior (``gaussian`` with hidden=[]) equal p(h|v)."""
         m = self.latent.dim
         d = self.log_d.exp()
+        head = posterior.head
+        assert isinstance(head, nn.Linear), "a linear Gaussian posterior's head is one nn.Linear"
         with torch.no_grad():
-            posterior.head.weight[:m] = (self.W / d).T
-            posterior.head.bias[:m] = self.c / d
-            posterior.head.weight[m:] = 0.0
-            posterior.head.bias[m:] = -0.5 * self.log_d
+            head.weight[:m] = (self.W / d).T
+            head.bias[:m] = self.c / d
+            head.weight[m:] = 0.0
+            head.bias[m:] = -0.5 * self.log_d
 
 
 def linear_gaussian_parts(d: int = 3, m: int = 2, seed: int = 0) -> tuple[LinearGaussianEBLVM, Posterior, Parts]:
@@ -130,7 +132,7 @@ class Exact:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.posterior.parameters():
-                p += scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+                p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
 
 
 def _exact(name: str, model: EnergyModel, posterior: Posterior, parts: Parts, n: int) -> Exact:

@@ -151,7 +151,7 @@ def merge(
             out[key] = value
         elif isinstance(old, dict) and isinstance(value, dict):
             out[key] = merge(old, value, replace, f"{path}.")
-        elif value and _tables(value) and _tables(old):
+        elif value and _tables(value) and isinstance(old, list) and _tables(old):
             out[key] = [*old, *value]
         else:
             out[key] = value

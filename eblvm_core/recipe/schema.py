@@ -108,7 +108,7 @@ class RunConfig:
 
 SINGLE = {k.section: k.name for k in KINDS if k.section is not None and not k.many}
 LISTS = {k.section: k.name for k in KINDS if k.section is not None and k.many}
-REQUIRED = tuple(k.section for k in KINDS if k.required)
+REQUIRED = tuple(k.section for k in KINDS if k.required and k.section is not None)
 TOP_LEVEL = ["run", *SINGLE, "optim", *LISTS]
 DEFAULT_LOGGER = "tensorboard"  # used when a recipe has no [[log]] (write `log = []` for none)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,12 +129,12 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
     parts = {}
     for label, kind in SINGLE.items():
         if label in raw:
-            parts[label] = checked(lambda label=label, kind=kind: _component(label, raw[label], kind, plugins))
+            parts[label] = checked(functools.partial(_component, label, raw[label], kind, plugins))
     optim_raw = raw.get("optim", {})
     if not isinstance(optim_raw, dict):
         errors.append(ConfigError("optim", None, "must hold tables such as [optim.model]"))
         optim_raw = {}
-    optim = {name: checked(lambda name=name, body=body: _role(name, body, plugins)) for name, body in optim_raw.items()}
+    optim = {name: checked(functools.partial(_role, name, body, plugins)) for name, body in optim_raw.items()}
     lists: dict[str, list[Section]] = {}
     for label, kind in LISTS.items():
         items = raw.get(label, [])
@@ -141,7 +142,7 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
             errors.append(ConfigError(label, None, f"must be an array of tables: write [[{label}]]"))
             items = []
         lists[label] = [
-            checked(lambda label=label, kind=kind, i=i, body=body: _component(f"{label}.{i}", body, kind, plugins))
+            checked(functools.partial(_component, f"{label}.{i}", body, kind, plugins))
             for i, body in enumerate(items)
         ]
     if errors:
@@ -156,7 +157,7 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
 
 def load_recipe(
     path: str | Path,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     plugins: Loaded | None = None,
     evals: list[dict[str, Any]] | None = None,
 ) -> Recipe:

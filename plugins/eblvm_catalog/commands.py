@@ -16,7 +16,7 @@ from eblvm.tools import METRICS, PROVENANCE, RECIPE, bundled_recipes, recipe_fil
 def description(path: Path, width: int = 100) -> str:
     """A recipe's one-line description: its first comment paragraph (before any TOML), without a
     leading "NAME:", cut to ``width`` characters at a word."""
-    lines = []
+    lines: list[str] = []
     for line in path.read_text(encoding="utf-8-sig").splitlines():
         if not line.startswith("#") or (lines and not line.lstrip("#").strip()):
             break

@@ -72,13 +72,15 @@ class AnnealedLangevin(Sampler):
             self._chunk(model, min(self.cfg.batch_size, n - i), generator) for i in range(0, n, self.cfg.batch_size)
         ]
         if self.cfg.snapshots:
-            self.trajectory = torch.cat([t for _, t in chunks], dim=1)
+            self.trajectory = torch.cat([t for _, t in chunks if t is not None], dim=1)
         return torch.cat([s for s, _ in chunks])
 
     def _chunk(self, model: EnergyModel, n: int, generator: torch.Generator | None) -> tuple[Tensor, Tensor | None]:
-        cfg, mode = self.cfg, self.mode(model)
+        cfg, mode, data = self.cfg, self.mode(model), self.data
+        if data is None:
+            raise ValueError("annealed Langevin draws chains shaped like the data: it is built with them")
         param = next(model.parameters())
-        shape = self.data.shape
+        shape = data.shape
 
         def noise(*size: int) -> Tensor:
             return torch.randn(size, generator=generator, dtype=param.dtype, device=param.device)
@@ -86,10 +88,14 @@ class AnnealedLangevin(Sampler):
         v = cfg.init_mean + cfg.init_std * noise(n, *shape)
         h_fixed, h = None, None
         if mode == "via-q":
-            idx = torch.randint(self.data.size("train"), (n,), generator=generator, device=param.device)
+            if self.posterior is None:
+                raise ValueError("mode = 'via-q' draws h from the posterior: the recipe needs a [posterior]")
+            idx = torch.randint(data.size("train"), (n,), generator=generator, device=param.device)
             with torch.no_grad():
-                h_fixed = self.posterior.mean(self.data.take("train", idx).to(param))
+                h_fixed = self.posterior.mean(data.take("train", idx).to(param))
         elif mode == "joint":
+            if model.latent is None:
+                raise ValueError("mode = 'joint' moves h too: the model needs continuous latents")
             h = cfg.init_mean + cfg.init_std * noise(n, model.latent.dim)
 
         def energy(v: Tensor, h_moving: Tensor | None) -> Tensor:

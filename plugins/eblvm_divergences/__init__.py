@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol, cast
 
 import attrs
 import torch
 from torch import Tensor
 
 from eblvm.plugin import (
+    Conditioned,
     ConfigError,
     DataSplits,
     Divergence,
@@ -29,6 +30,12 @@ from eblvm.plugin import (
     positive,
     reporting,
 )
+
+
+class ExactExpectation(Protocol):
+    """A posterior whose mean and expected log-density are exact (``exact = true``: the Bernoulli q)."""
+
+    def mean_and_expected_log_prob(self, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
 
 @attrs.frozen
@@ -58,9 +65,9 @@ class KL(Divergence):
     def __init__(self, n_samples: int = 1, importance_weighted: bool = False, exact: bool = False):
         self.n_samples, self.importance_weighted, self.exact = n_samples, importance_weighted, exact
 
-    def __call__(self, model: EnergyModel, posterior: Posterior, v: Tensor) -> Tensor:
+    def __call__(self, model: EnergyModel | Conditioned, posterior: Posterior, v: Tensor) -> Tensor:
         if self.exact:
-            mean, expected_log_q = posterior.mean_and_expected_log_prob(v)
+            mean, expected_log_q = cast(ExactExpectation, posterior).mean_and_expected_log_prob(v)
             return expected_log_q + energies(model, v, mean.unsqueeze(0))[0]
         h, log_q = posterior.rsample_and_log_prob(v, self.n_samples)
         terms = log_q + energies(model, v, h)
@@ -136,7 +143,7 @@ class Fisher(Divergence):
     def __init__(self, n_samples: int = 1):
         self.n_samples = n_samples
 
-    def __call__(self, model: EnergyModel, posterior: Posterior, v: Tensor) -> Tensor:
+    def __call__(self, model: EnergyModel | Conditioned, posterior: Posterior, v: Tensor) -> Tensor:
         h, log_q = posterior.rsample_and_log_prob(v, self.n_samples)
         (grad_h,) = torch.autograd.grad((log_q + energies(model, v, h)).sum(), h, create_graph=True)
         return 0.5 * (grad_h * grad_h).sum(-1).mean(0)

@@ -31,7 +31,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -224,9 +224,9 @@ def compare(
     steps: int | None = None,
     out: str | Path | None = None,
     device: str | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     echo: Callable[[str], None] = print,
-    only: list[str] = (),
+    only: Sequence[str] = (),
     seed_offset: int | None = None,
     launcher: str = "local",
     slurm: Mapping[str, Any] | None = None,
@@ -261,7 +261,7 @@ def compare(
         cluster = with_options(spec.launcher, slurm or {})
         require_submitit(launcher)
     cfg = spec.compare
-    chosen = select(spec, only)
+    chosen = select(spec, list(only))
     n_seeds = seeds if seeds is not None else cfg.seeds
     out = output_folder(out if out is not None else Path("results") / cfg.name, "comparison's results")
     (out / "recipes").mkdir(exist_ok=True)

@@ -88,7 +88,7 @@ def comparison(
     width = max(pad + cell * min(per_row, len(scaled)) if scaled else 0, CURVES[0] if curves else 0)
     if curves:  # the legend's room: its longest method name, its line sample and pads, and
         # its offset from the axes (learning_curves: 2% of the axes' width)
-        legend = max(200, 70 + widest_text(list(curves)))
+        legend = max(200, 70 + math.ceil(widest_text(list(curves))))
         width = max(width, 90 + 400 + legend)
         legend += math.ceil(0.02 * (width - 90 - legend))
     height = sum(heights) + (CURVES[1] if curves else 0)
@@ -101,6 +101,7 @@ def comparison(
             fig.figimage(array, xo=left, yo=height - top - title_h - array.shape[0], origin="upper")
         top += row_height
     if curves:
+        assert axis is not None, "learning curves need their value axis"
         # room for tick labels and the axis label (left), the title and clip note (top), the
         # step labels (bottom) and the legend (right)
         ax = axes_at(fig, (90, top + 60, width - 90 - legend, CURVES[1] - 60 - 56))

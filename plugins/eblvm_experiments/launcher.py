@@ -34,7 +34,7 @@ import sys
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +115,12 @@ def minutes(value: int | str) -> int:
     match = TIME.fullmatch(value.strip())
     if not match:
         raise ValueError(f"must be minutes or HH:MM:SS / D-HH:MM:SS, got {value!r}")
-    days, a, b, c = (int(g) if g is not None else None for g in match.groups())
+    days, first, b, c = (int(g) if g is not None else None for g in match.groups())
+    a = first or 0  # the pattern's first number is never absent
     if days is not None:  # D-H[:M[:S]]
         seconds = ((days * 24 + a) * 60 + (b or 0)) * 60 + (c or 0)
     elif c is not None:  # H:M:S
-        seconds = (a * 60 + b) * 60 + c
+        seconds = (a * 60 + (b or 0)) * 60 + c
     else:  # M[:S]
         seconds = a * 60 + (b or 0)
     if seconds < 60:
@@ -295,7 +296,7 @@ class Job:
         os.environ[RUN_DIR_FILE] = str(self.marker)
         if self.resume is None:  # restarted without checkpoint() (a node failure): the run it began
             self.resume = self._announced()
-        record = {"kind": self.launcher, "job_id": str(env.job_id)}
+        record: dict[str, Any] = {"kind": self.launcher, "job_id": str(env.job_id)}
         if os.environ.get("SLURM_RESTART_COUNT"):
             record["restarts"] = int(os.environ["SLURM_RESTART_COUNT"])
         preempt = preempt_signal()
@@ -348,7 +349,7 @@ class RunJob(Job):
         out: str,
         command: str,
         resume: str | None = None,
-        overrides: list[str] = (),
+        overrides: Sequence[str] = (),
     ) -> None:
         super().__init__(launcher, folder)
         self.recipe, self.device, self.out, self.command = recipe, device, out, command

@@ -29,7 +29,7 @@ import shlex
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -392,7 +392,7 @@ def search(
     out: str | Path | None = None,
     storage: str | None = None,
     device: str | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     echo: Callable[[str], None] = print,
     launcher: str = "local",
     slurm: dict[str, Any] | None = None,

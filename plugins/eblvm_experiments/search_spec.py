@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -252,7 +253,7 @@ def params(body: Any) -> tuple[Param, ...]:
 SECTIONS = ("search", "params", "launcher")
 
 
-def load_search_spec(path: str | Path, extra_overrides: list[str] = ()) -> SearchSpec:
+def load_search_spec(path: str | Path, extra_overrides: Sequence[str] = ()) -> SearchSpec:
     """Read and validate a search spec: its keys, the recipe with the spec's overrides then
     ``extra_overrides`` (which may not set a searched key), and that recipe with each searched key
     at each end of its range (every choice), so a typo or a value the recipe refuses fails before
@@ -353,7 +354,7 @@ def check_optuna_options(spec: SearchSpec) -> None:
             ) from None
 
 
-def search_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
+def search_recipes(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """What ``eblvm validate`` builds of a search spec: a trial's ``Recipe`` with every searched
     key at the low end of its range (its first choice); every end was validated already."""
     spec = load_search_spec(path, overrides)

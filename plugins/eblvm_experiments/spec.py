@@ -54,6 +54,7 @@ import itertools
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,7 +267,7 @@ def rows(spec_sweep: list[Axis], methods: list[MethodConfig]) -> list[Row]:
     return found
 
 
-def load_spec(path: str | Path, extra_overrides: list[str] = ()) -> Spec:
+def load_spec(path: str | Path, extra_overrides: Sequence[str] = ()) -> Spec:
     """Read and validate a spec: its own keys, every row's recipe (a method's, or one grid point
     of it) merged with the spec's [[eval]] tables and overrides (spec, method, grid point, then
     ``extra_overrides``), the [[final_eval]] tables, and that an evaluator reports each of the
@@ -431,7 +432,7 @@ def resolve_recipe(spec_path: Path, recipe: str, section: str) -> Path:
     raise ConfigError(section, "recipe", message, file=str(spec_path))
 
 
-def spec_recipes(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
+def spec_recipes(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Every row's ``Recipe`` of a comparison spec (includes merged, overrides applied, defaults
     filled in), by row name: what ``eblvm validate`` builds and ``--show`` prints."""
     spec = load_spec(path, overrides)

@@ -87,7 +87,8 @@ def readable(listed: dict[str, list[Path]], skip: bool, parts: Parts) -> dict[st
     cannot be read is the error, or with ``skip`` left out, the warning counting them and
     naming the first."""
     fix = "" if skip else "replace or remove it, or set skip_unreadable = true to leave such files out"
-    found, left_out = {}, []
+    found: dict[str, list[tuple[Path, tuple[int, int]]]] = {}
+    left_out: list[DataError] = []
     for split, paths in listed.items():
         found[split] = []
         for path in paths:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from eblvm.plugin import ConfigError, DataSplits, Parts, non_negative, option, positive
+from eblvm.plugin import ConfigError, DataError, DataSplits, Parts, non_negative, option, positive
 from eblvm.tools import ImageOptions, image_pipeline, reading
 from eblvm_images.folder import ImageFiles
 
@@ -155,6 +155,14 @@ def find_file(root: Path, name: str) -> Path | None:
     return None
 
 
+def found_file(root: Path, name: str) -> Path:
+    """``find_file`` of a file known to be there (checked before reading)."""
+    path = find_file(root, name)
+    if path is None:
+        raise DataError(f"{root}: {name} is missing", key="root")
+    return path
+
+
 def mnist(cfg: MNISTConfig, parts: Parts) -> DataSplits:
     """MNIST (60,000 train + 10,000 test, 28×28 grey, padded to 32×32 by default) from its idx files."""
     root = Path(cfg.root).expanduser()
@@ -176,13 +184,16 @@ def mnist(cfg: MNISTConfig, parts: Parts) -> DataSplits:
             (1, side, side),
             cfg,
         )
-    splits, labels = {}, {}
+    splits: dict[str, Tensor] = {}
+    labels: dict[str, Tensor] = {}
     for split, (images, targets) in MNIST_FILES.items():
-        x = torch.from_numpy(read_idx(find_file(root, images)).copy()).unsqueeze(1)
-        labels[split] = torch.from_numpy(read_idx(find_file(root, targets)).astype(np.int64))
+        x = torch.from_numpy(read_idx(found_file(root, images)).copy()).unsqueeze(1)
+        labels[split] = torch.from_numpy(read_idx(found_file(root, targets)).astype(np.int64))
         splits[split] = torch.nn.functional.pad(x, [cfg.pad] * 4)
     train, train_labels, val, val_labels = split_off_val(splits["train"], labels["train"], cfg.n_val)
-    labels = {"train": train_labels, "test": labels["test"], **({"val": val_labels} if val is not None else {})}
+    labels = {"train": train_labels, "test": labels["test"]}
+    if val is not None and val_labels is not None:
+        labels["val"] = val_labels
     return in_memory(train, splits["test"], labels, cfg, val)
 
 
@@ -251,7 +262,7 @@ def cifar10(cfg: CIFAR10Config, parts: Parts) -> DataSplits:
         torch.from_numpy(np.ascontiguousarray(x_train)), torch.from_numpy(y_train.astype(np.int64)).flatten(), cfg.n_val
     )
     labels = {"train": train_labels, "test": torch.from_numpy(y_test.astype(np.int64)).flatten()}
-    if val is not None:
+    if val is not None and val_labels is not None:
         labels["val"] = val_labels
     return in_memory(train, torch.from_numpy(np.ascontiguousarray(x_test)), labels, cfg, val)
 

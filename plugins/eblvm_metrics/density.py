@@ -75,7 +75,8 @@ def build_density_plot(cfg: DensityPlotConfig, parts: Parts) -> Callable[[Parts]
 
     k = round(cfg.margin * cfg.grid)  # grid cells beyond the bounds on each side
     cells = [(hi - lo) / cfg.grid for lo, hi in data.bounds]
-    view = tuple((lo - k * c, hi + k * c) for (lo, hi), c in zip(data.bounds, cells))
+    (x_lo, x_hi), (y_lo, y_hi) = data.bounds
+    view = ((x_lo - k * cells[0], x_hi + k * cells[0]), (y_lo - k * cells[1], y_hi + k * cells[1]))
     n = cfg.grid + 2 * k
     bins = round(cfg.bins * n / cfg.grid)  # histogram bins of the same width as over the bounds
 

@@ -67,6 +67,7 @@ def densities(
         if bounds is not None:
             bounds_box(ax, bounds)
     above = any(float(values.max()) > high for _, values in panels)
+    assert image is not None, "a density figure has at least one panel"
     fig.colorbar(image, cax=axes_at(fig, bar), label=label, extend="max" if above else "neither")
     return fig
 

@@ -90,7 +90,9 @@ class WandbLogger(Logger):
         record = RunFile(folder)
         run_id = record.read().get("id") or "".join(secrets.choice(ID_ALPHABET) for _ in range(8))
         record.write(id=run_id, project=cfg.project, entity=cfg.entity)
-        base_url = os.environ.get("WANDB_BASE_URL") or getattr(wandb.Settings(), "base_url", "https://api.wandb.ai")
+        base_url = str(
+            os.environ.get("WANDB_BASE_URL") or getattr(wandb.Settings(), "base_url", None) or "https://api.wandb.ai"
+        )
         mode, why = pick_mode(cfg.mode, base_url)
         init = dict(
             project=cfg.project,
