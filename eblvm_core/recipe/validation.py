@@ -142,8 +142,7 @@ def validate(raw: dict[str, Any], path: str, plugins: Loaded | None = None) -> R
             errors.append(ConfigError(label, None, f"must be an array of tables: write [[{label}]]"))
             items = []
         lists[label] = [
-            checked(functools.partial(_component, f"{label}.{i}", body, kind, plugins))
-            for i, body in enumerate(items)
+            checked(functools.partial(_component, f"{label}.{i}", body, kind, plugins)) for i, body in enumerate(items)
         ]
     if errors:
         found = ConfigError.combine(errors)
