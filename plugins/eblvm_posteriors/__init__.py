@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, cast
 
 import attrs
 import torch
@@ -123,7 +123,7 @@ class BernoulliPosterior(Posterior):
         temperature: float = 0.1,
     ):
         super().__init__()
-        self.net = mlp(n_visible, hidden, n_latent, activation)
+        self.net: nn.Sequential = mlp(n_visible, hidden, n_latent, activation)
         self.temperature = temperature
         # linear logits (hidden = []) are one F.linear: the two module calls around it cost more
         # than the product on a small model; (net, layer) kept out of the module tree
@@ -131,10 +131,17 @@ class BernoulliPosterior(Posterior):
 
     def logits(self, v: Tensor) -> Tensor:
         """v (B, ...) -> logits (B, m)."""
-        net, linear = self._modules["net"], self._linear
-        if linear is None or linear[0] is not net or type(linear[1]) is not nn.Linear or _hooked(net, linear[1]):
-            return net(v.flatten(1))
-        params = linear[1]._parameters  # what Linear.forward reads (and Functional swaps)
+        net = self._modules["net"]
+        linear = cast("tuple[nn.Module, nn.Module] | None", self.__dict__["_linear"])
+        if (
+            net is None
+            or linear is None
+            or linear[0] is not net
+            or type(linear[1]) is not nn.Linear
+            or _hooked(net, linear[1])
+        ):
+            return self.net(v.flatten(1))
+        params = cast("dict[str, Tensor]", linear[1]._parameters)  # what Linear.forward reads (and Functional swaps)
         return F.linear(v if v.dim() == 2 else v.flatten(1), params["weight"], params["bias"])
 
     def _sample(self, logits: Tensor, n: int) -> Tensor:
@@ -233,11 +240,18 @@ class FisherBlocks:
             return cls(z=z, weight=weight)
         return cls(dense=torch.einsum("bj,bk,bl->jkl", weight, z, z) / len(z))
 
+    def factors(self) -> tuple[Tensor, Tensor]:
+        """(z, weight) of blocks held as factors."""
+        if self.z is None or self.weight is None:
+            raise ValueError("FisherBlocks holds its dense blocks or both factors, z and weight")
+        return self.z, self.weight
+
     def matrices(self) -> Tensor:
         """The blocks (m, k, k)."""
         if self.dense is not None:
             return self.dense
-        return torch.einsum("bj,bk,bl->jkl", self.weight, self.z, self.z) / len(self.z)
+        z, weight = self.factors()
+        return torch.einsum("bj,bk,bl->jkl", weight, z, z) / len(z)
 
     def mean_over_ranks(self) -> FisherBlocks:
         """The blocks averaged over the ranks (held whole), those of the union of their points;
@@ -257,11 +271,12 @@ class FisherBlocks:
             blocks = self.matrices()
             eye = torch.eye(blocks.shape[-1], dtype=blocks.dtype, device=blocks.device)
             return torch.linalg.solve_ex(blocks + damping * eye, g.unsqueeze(-1))[0].squeeze(-1)
-        scale = (self.weight / len(self.z)).sqrt().T  # (m, n): S_j = scale_j[:, None] * z
-        inner = (self.z @ self.z.T).mul(scale[:, :, None]).mul_(scale[:, None, :])  # (m, n, n), no gradient
+        z, weight = self.factors()
+        scale = (weight / len(z)).sqrt().T  # (m, n): S_j = scale_j[:, None] * z
+        inner = (z @ z.T).mul(scale[:, :, None]).mul_(scale[:, None, :])  # (m, n, n), no gradient
         inner.diagonal(dim1=-2, dim2=-1).add_(damping)
-        y = torch.linalg.solve_ex(inner, (scale * (g @ self.z.T)).unsqueeze(-1))[0].squeeze(-1)  # (m, n)
-        return (g - (scale * y) @ self.z) / damping
+        y = torch.linalg.solve_ex(inner, (scale * (g @ z.T)).unsqueeze(-1))[0].squeeze(-1)  # (m, n)
+        return (g - (scale * y) @ z) / damping
 
 
 def build_bernoulli(cfg: BernoulliConfig, parts: Parts) -> BernoulliPosterior:
@@ -295,7 +310,7 @@ class GaussianPosterior(Posterior):
     ):
         super().__init__()
         self.trunk = trunk
-        self.head = nn.Linear(n_features, 2 * n_latent)
+        self.head: nn.Module = nn.Linear(n_features, 2 * n_latent)
         self.variance = variance
 
     def params(self, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -482,9 +497,12 @@ def build_gaussian_dcgan(cfg: GaussianDCGANConfig, parts: Parts) -> GaussianPost
         c, side = 2 * c, side // 2
     trunk = nn.Sequential(*layers, nn.Flatten())
     posterior = GaussianPosterior(trunk, c * 16, m, "bounded" if cfg.bounded_variance else "log-var")
-    for module in posterior.modules() if cfg.init_std is not None else ():
-        if isinstance(module, (nn.Conv2d, nn.Linear)):  # the head is the released code's 4×4 convs
-            nn.init.normal_(module.weight, 0.0, cfg.init_std)
+    init_std = cfg.init_std
+    for module in posterior.modules() if init_std is not None else ():
+        if init_std is not None and isinstance(
+            module, (nn.Conv2d, nn.Linear)
+        ):  # the head: the released code's 4×4 convs
+            nn.init.normal_(module.weight, 0.0, init_std)
     return posterior
 
 
