@@ -12,7 +12,7 @@ width 128, channels up to 1024 (ResidualNet9); the head's width is 4·width·(H/
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 import attrs
 import torch
@@ -68,7 +68,10 @@ def _features(cfg: ResNetConfig, parts: Parts, section: str) -> tuple[ResNetFeat
     return features, n, head
 
 
-def _finish(model: nn.Module, cfg: ResNetConfig) -> nn.Module:
+Deep = TypeVar("Deep", "ResNetEBLVM", "ResNetEBM")
+
+
+def _finish(model: Deep, cfg: ResNetConfig) -> Deep:
     if cfg.spectral_norm:
         spectrally_normalise(model)
     if cfg.channels_last:
@@ -87,7 +90,7 @@ class ResNetEBLVM(EnergyModel):
     def __init__(self, features: ResNetFeatures, n_features: int, latent_dim: int, head_width: int):
         super().__init__()
         self.latent = LatentSpec("gaussian", latent_dim)
-        self.features = features
+        self.features: ResNetFeatures = features
         self.to_latent = nn.Linear(n_features, latent_dim)
         self.head = SquaredELU(2 * latent_dim, head_width)
 
@@ -112,7 +115,7 @@ class ResNetEBM(EnergyModel):
 
     def __init__(self, features: ResNetFeatures, n_features: int, head_width: int):
         super().__init__()
-        self.features = features
+        self.features: ResNetFeatures = features
         self.head = SquaredELU(n_features, head_width)
 
     def energy(self, v: Tensor, h: Tensor | None = None) -> Tensor:
