@@ -35,7 +35,7 @@ from eblvm.plugin import (
 from eblvm.tools import condition_on, fit_posterior
 
 
-def joint_scores(model: EnergyModel, x: Tensor, h: Tensor, graph: bool = True) -> tuple[Tensor, Tensor]:
+def joint_scores(model: EnergyModel | Conditioned, x: Tensor, h: Tensor, graph: bool = True) -> tuple[Tensor, Tensor]:
     """∇_x log p̃(x, h_l) (L, *x.shape), with the graph to θ kept if ``graph``, and log p̃(x, h_l) (L, B).
 
     x (B, ...) is detached inside; h (L, B, m) is treated as a constant.
@@ -62,6 +62,7 @@ def mean_joint_score(
     model is evaluated on the L·B points (``joint_scores``).
     """
     n = h.shape[0]
+    conditioned: EnergyModel | Conditioned
     if isinstance(model, Conditioned) and model.conditions(x) and x.requires_grad:
         xg, conditioned = x, model
     else:
@@ -219,19 +220,22 @@ class VariationalScore(Estimator):
             surrogate = surrogate + (centred * log_joint).sum() / (h.shape[0] - 1)
         return surrogate, value.detach()
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, float | Tensor]:
         """batch (B, d) -> metrics: K posterior updates, then one θ update along VaGES. A model that
         conditions on x has its features f(x) computed once, with their graph: detached for the
         lower level and the Langevin steps on h, whole for the surrogate."""
         x, context = self.objective.points(batch)
         x = x.detach()
+        whole: EnergyModel | Conditioned
+        lower: EnergyModel | Conditioned
         if self.model.has_conditioning:
             points = x.detach().requires_grad_(True)
             whole = condition_on(self.model, points)
+            assert isinstance(whole, Conditioned), "a model with has_conditioning conditions on its points"
             lower = whole.detach(x)
         else:
             points, whole, lower = x, self.model, self.model
-        metrics = self.fit_posterior(x, lower, self.objective.point_weights(context))
+        metrics: dict[str, float | Tensor] = {**self.fit_posterior(x, lower, self.objective.point_weights(context))}
         n = self.cfg.n_samples
         if self.cfg.independent_z:
             h_z, h = self.posterior_samples(x, lower, 2 * n).split(n)
@@ -305,7 +309,7 @@ class ImportanceScore(Estimator):
         (grad,) = torch.autograd.grad(log_p.sum(), x, create_graph=True)
         return grad
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, float | Tensor]:
         x, context = self.objective.points(batch)
         loss = self.objective.loss(self.score, x, context).mean()
         self.model_role.update(loss)
