@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import math
@@ -276,7 +277,7 @@ def compare(
         for i in range(n_seeds):
             seed = (cfg.seed_offset if seed_offset is None else seed_offset) + i
             name = f"{slug(row.name)}-seed{seed}"
-            task = {
+            task: dict[str, Any] = {
                 "method": row.name,
                 "seed": seed,
                 "name": name,
@@ -364,7 +365,7 @@ def compare(
                 raise
     else:
         for index in pending:
-            done(index, lambda index=index: run_one(tasks[index]))
+            done(index, functools.partial(run_one, tasks[index]))
     results = [by_index[index] for index in sorted(by_index)]
     (out / "results.json").write_text(
         json.dumps(
@@ -452,7 +453,11 @@ def _live_jobs(out: Path, tasks: list[dict[str, Any]]) -> dict[int, Any]:
     for index, task in enumerate(tasks):
         record = records.get(task["name"])
         handle = reattach(record) if isinstance(record, dict) else None
-        if handle is not None and record.get("fingerprint") == _digest(task["fingerprint"]):
+        if (
+            handle is not None
+            and isinstance(record, dict)
+            and record.get("fingerprint") == _digest(task["fingerprint"])
+        ):
             with contextlib.suppress(Exception):  # a job the cluster forgot is submitted again
                 if job_state(handle) in ("queued", "running"):
                     live[index] = handle

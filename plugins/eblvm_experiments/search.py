@@ -379,9 +379,9 @@ def _again(spec_path: str | Path) -> str:
     return f"eblvm search {spec_path}"
 
 
-def _work_here(*args: Any) -> None:
+def _work_here(spec: SearchSpec, out: Path, url: str, device: str | None, worker: int, command: str) -> None:
     """A worker process of ``--workers N`` (spawned): lines straight to the console."""
-    work(*args[:5], lambda line: print(line, flush=True), *args[5:])
+    work(spec, out, url, device, worker, lambda line: print(line, flush=True), command)
 
 
 def search(
