@@ -23,13 +23,14 @@ first); the best-response Jacobian is dropped and the levels alternate, as the p
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Iterator
+from typing import Literal, Protocol, cast
 
 import attrs
 import torch
 from torch import Tensor, nn
 
-from eblvm.plugin import ConfigError, EnergyModel, Estimator, Parts, Posterior, non_negative, option, positive
+from eblvm.plugin import ConfigError, Estimator, Parts, non_negative, option, positive
 from eblvm_bidvl.nets import posterior_codes
 
 
@@ -69,6 +70,24 @@ class BiDVLConfig:
     )
 
 
+class VisibleEnergy(Protocol):
+    """A fully visible energy E_ψ(v) (its model's latent is None): ``energy`` takes v alone."""
+
+    def energy(self, v: Tensor, h: Tensor | None = None) -> Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
+class GaussianEncoder(Protocol):
+    """q(h|v) = N(μ(v), diag σ(v)²): ``params`` gives (μ, log σ), ``mean`` μ."""
+
+    def params(self, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def mean(self, v: Tensor) -> Tensor: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]: ...
+
+
 class BiDVL(Estimator):
     """BiDVL with the energy, the encoder and the generator each stepped by its own optimizer.
 
@@ -81,9 +100,11 @@ class BiDVL(Estimator):
     precisions = ("fp32", "bf16")
     graph_safe = True
 
-    def __init__(self, cfg: BiDVLConfig, energy: EnergyModel, encoder: Posterior, generator: nn.Module, parts: Parts):
+    def __init__(
+        self, cfg: BiDVLConfig, energy: VisibleEnergy, encoder: GaussianEncoder, generator: nn.Module, parts: Parts
+    ):
         self.cfg, self.energy, self.encoder, self.generator = cfg, energy, encoder, generator
-        self.m = generator.latent_dim
+        self.m = cast(int, generator.latent_dim)
         self.latent_weight = cfg.latent_weight if cfg.latent_weight is not None else 1.0 / self.m
         self.energy_role = parts.make_role("energy", [p for p in energy.parameters() if p.requires_grad])
         self.encoder_role = parts.make_role("encoder", [p for p in encoder.parameters() if p.requires_grad])
@@ -204,4 +225,4 @@ def build_bidvl(cfg: BiDVLConfig, parts: Parts) -> BiDVL:
             "latent_dim",
             f"the generator's latent_dim ({m}) must equal the encoder's ({encoder.head.out_features // 2})",
         )
-    return BiDVL(cfg, energy, encoder, generator, parts)
+    return BiDVL(cfg, cast(VisibleEnergy, energy), cast(GaussianEncoder, encoder), generator, parts)

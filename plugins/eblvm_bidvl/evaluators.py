@@ -4,7 +4,7 @@ by the marginal energy, and a sampler that draws G(z), z ~ N(0, I) (for sample g
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 import torch
@@ -34,7 +34,8 @@ class GeneratorSampler(Sampler):
 
     def sample(self, model: EnergyModel, n: int, generator: torch.Generator | None = None) -> Tensor:
         param = next(self.generator.parameters())
-        z = torch.randn(n, self.generator.latent_dim, generator=generator, dtype=param.dtype, device=param.device)
+        latent_dim = cast(int, self.generator.latent_dim)
+        z = torch.randn(n, latent_dim, generator=generator, dtype=param.dtype, device=param.device)
         with torch.no_grad(), evaluation_mode([self.generator]):
             return self.generator(z)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import attrs
 import torch
@@ -32,12 +32,18 @@ def output_activation(name: str, x: Tensor) -> Tensor:
     return {"softplus": F.softplus, "identity": lambda t: t}[name](x)
 
 
-def normal_init_(net: nn.Module, std: float | None) -> nn.Module:
+Net = TypeVar("Net", bound=nn.Module)
+
+
+def normal_init_(net: Net, std: float | None) -> Net:
     """Draw every conv and transposed-conv weight (the original of a spectrally normalised one)
     from N(0, std²), as BiDVL's released code does with std = 0.02; None keeps torch's default."""
-    for m in net.modules() if std is not None else ():
+    if std is None:
+        return net
+    for m in net.modules():
         if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d)):
-            weight = m.parametrizations.weight.original if hasattr(m, "parametrizations") else m.weight
+            parametrized = cast("nn.ModuleDict | None", getattr(m, "parametrizations", None))
+            weight = cast(Tensor, parametrized["weight"].original) if parametrized is not None else m.weight
             nn.init.normal_(weight, 0.0, std)
     return net
 
