@@ -9,7 +9,7 @@ import tomllib
 
 import pytest
 import tomli_w
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import eblvm
@@ -293,8 +293,21 @@ def test_overrides_of_different_keys_commute(first, second, depths, values, drop
     assert strategies.same(one, other)
 
 
+# Override-shaped text: the recipe's section names, its lists' indexes and stray words, dotted,
+# with or without a drop's ~ and a value.
+override_like = st.builds(
+    lambda drop, parts, value: ("~" if drop else "") + ".".join(parts) + value,
+    st.booleans(),
+    st.lists(
+        st.sampled_from(["run", "model", "eval", "log", "optim", "steps", "kind", "0", "1", "5", "x", ""]), max_size=4
+    ),
+    st.one_of(st.just(""), st.builds(lambda v: "=" + v, st.sampled_from(["1", "x", "[1]", "{a = 1}", "="]))),
+)
+
+
 @pytest.mark.property
-@given(text=st.one_of(strategies.texts, st.from_regex(r"~?[a-z0-9.~=_ ]{0,20}(=.*)?", fullmatch=True)))
+@settings(max_examples=500)  # cheap examples: enough to reach each branch of the grammar
+@given(text=st.one_of(strategies.texts, override_like, st.from_regex(r"~?[a-z0-9.~=_ ]{0,20}(=.*)?", fullmatch=True)))
 def test_any_override_text_sets_a_value_or_is_a_one_line_error_naming_it(text):
     """Whatever follows ``-o``: it applies, or it is a ConfigError of one line per error, each
     naming the ``-o`` value; never another exception."""
