@@ -73,11 +73,15 @@ class Shards:
         return self.steps_per_epoch - self.start[1]
 
 
+BLOCK_BYTES = 1 << 20  # in memory, the batches of an epoch are indexed this many bytes of them at a time
+
+
 class Batches:
     """An endless stream of training batches (B/W, *event_shape) on ``device``, prepared and augmented.
 
     The examples of each batch come from ``Shards``. In-memory tensors are indexed on their
-    device; a Dataset is read by ``data.workers`` DataLoader processes (pinned memory and
+    device, the next batches of the epoch, up to BLOCK_BYTES of them, in one indexing (a small
+    model's step is over before a batch's own indexing would be); a Dataset is read by ``data.workers`` DataLoader processes (pinned memory and
     non-blocking copies on CUDA). The random augmentation of each batch uses a generator
     seeded from (seed, epoch, batch, rank), so batches do not depend on workers, resumes or
     timing. ``state_dict`` is (epoch, batches consumed in it).
@@ -105,6 +109,7 @@ class Batches:
         self._ahead: tuple[Tensor, tuple[int, int]] | None = None  # a prefetched batch and the position after it
         self._iter: Iterator[Tensor] | None = None
         self._order: tuple[int, Tensor] | None = None  # (epoch, its order on the store's device)
+        self._block: tuple[int, int, list[Tensor]] | None = None  # (epoch, first position, its batches)
         self._loader = None
         if not isinstance(self.store, Tensor):
             from torch.utils.data import DataLoader
@@ -119,17 +124,30 @@ class Batches:
 
     def _raw(self) -> Tensor:
         epoch, pos = self._cursor
-        if self._loader is None:  # the epoch's order is copied to the device once, not an index copy (a sync) per batch
-            if self._order is None or self._order[0] != epoch:
-                order = self.shards.order(epoch)
-                if self.store.device.type == "cuda":  # through pinned memory: the copy does not wait for the GPU
-                    order = order.pin_memory().to(self.store.device, non_blocking=True)
-                self._order = (epoch, order.to(self.store.device))
-            return self.store[self._order[1][self.shards.span(pos)]]
+        if self._loader is None:
+            block = self._block
+            if block is None or block[0] != epoch or not block[1] <= pos < block[1] + len(block[2]):
+                block = self._block = (epoch, pos, self._gather(epoch, pos))
+            return block[2][pos - block[1]]
         if self._iter is None:
             self.shards.start = (epoch, pos)
             self._iter = iter(self._loader)
         return next(self._iter).to(self.device, non_blocking=True)
+
+    def _gather(self, epoch: int, pos: int) -> list[Tensor]:
+        """This rank's batches of ``epoch`` from ``pos`` on, as many as BLOCK_BYTES hold (one at
+        least, none past the epoch), indexed at once: each the rows ``order[span(p)]`` of the store."""
+        if self._order is None or self._order[0] != epoch:  # copied to the device once an epoch, not per batch
+            order = self.shards.order(epoch)
+            if self.store.device.type == "cuda":  # through pinned memory: the copy does not wait for the GPU
+                order = order.pin_memory().to(self.store.device, non_blocking=True)
+            self._order = (epoch, order.to(self.store.device))
+        shards, steps = self.shards, self.steps_per_epoch
+        per_rank = shards.batch_size // shards.world_size
+        batch_bytes = per_rank * self.store[0].numel() * self.store.element_size()
+        count = max(1, min(steps - pos, BLOCK_BYTES // max(1, batch_bytes)))
+        spans = self._order[1][: steps * shards.batch_size].view(steps, shards.world_size, per_rank)
+        return list(self.store[spans[pos : pos + count, shards.rank].reshape(-1)].split(per_rank))
 
     def _draw(self) -> tuple[Tensor, tuple[int, int]]:
         """The batch at the cursor, prepared and augmented, and the position after it; advances the cursor."""

@@ -30,7 +30,9 @@ class StepSums:
     floats. Folded into the same addition, a sentinel adds 0·loss for a tensor ``loss``: it stays 0
     while every loss is finite and turns NaN at the first non-finite one (a finite loss, however
     large, cannot overflow it). The sums are read from the device in one transfer, at log steps and
-    at the NaN guard's checks only.
+    at the NaN guard's checks only. A step whose metrics have the last step's keys, each a 0-d
+    float32 tensor (a compiled step's), is added by one ``_foreach_addcmul_`` alone (factor 1, the
+    sentinel's 0): the same sums to the bit.
     """
 
     SENTINEL = "\0loss-is-finite"
@@ -42,9 +44,22 @@ class StepSums:
         self.numbers: dict[str, float] = {}
         self.nonfinite_number = False  # a loss given as a number was not finite
         self._plan: tuple[tuple[str, ...], list[Tensor]] = ((), [])  # the last step's keys and accumulators
+        self._fast: tuple[tuple[str, ...], list[Tensor], list[Tensor]] | None = None  # keys, accumulators, factors
 
     def add(self, metrics: dict[str, Any]) -> None:
+        fast = self._fast
+        if fast is not None and tuple(metrics) == fast[0]:
+            values = list(metrics.values())
+            if all(type(v) is Tensor and v.dtype == torch.float32 and v.dim() == 0 for v in values):
+                self.steps += 1
+                with torch.no_grad():
+                    torch._foreach_addcmul_(fast[1], [*values, metrics["loss"]], fast[2])
+                return
+        self._add(metrics)
+
+    def _add(self, metrics: dict[str, Any]) -> None:
         self.steps += 1
+        self._fast = None
         keys, values = [], []
         for k, v in metrics.items():
             self.order.setdefault(k)
@@ -70,6 +85,14 @@ class StepSums:
                 accumulators = [self.tensors[k] for k in keys]
                 self._plan = (tuple(keys), accumulators)
             torch._foreach_add_(accumulators, [v if v.dtype == torch.float32 else v.float() for v in values])
+        every = list(metrics.values())
+        if (
+            isinstance(loss, Tensor)
+            and len(keys) == len(every) + 1
+            and all(type(v) is Tensor and v.dtype == torch.float32 and v.dim() == 0 for v in every)
+        ):
+            ones = [torch.ones((), device=a.device) for a in accumulators[:-1]]
+            self._fast = (tuple(metrics), accumulators, [*ones, torch.zeros((), device=accumulators[-1].device)])
 
     def loss_finite(self) -> bool:
         """Whether every loss since the last ``take`` was finite (reads the sentinel: a synchronisation)."""
@@ -91,6 +114,7 @@ class StepSums:
             torch._foreach_zero_(list(self.tensors.values()))
         taken = {k: sums[k] for k in self.order}  # the metrics given since the last take
         self.order, self.numbers, self.nonfinite_number, self._plan = {}, {}, False, ((), [])
+        self._fast = None
         self.steps = 0
         return taken
 
@@ -109,7 +133,7 @@ class StepSums:
         self.steps, self.order = int(state["steps"]), dict.fromkeys(state["order"])
         self.tensors = {k: t.clone() for k, t in state["tensors"].items()}
         self.numbers, self.nonfinite_number = dict(state["numbers"]), bool(state["nonfinite_number"])
-        self._plan = ((), [])
+        self._plan, self._fast = ((), []), None
 
 
 class RunState:
@@ -128,6 +152,8 @@ class RunState:
         self.parts, self.roles = built.parts, built.roles
         self.estimator = built.parts.estimator
         run = recipe.run
+        assert run.seed is not None, "the recipe's seed is chosen and written back before the run is built"
+        self.seed: int = run.seed
         if run.batch_size % world:
             raise ConfigError(
                 "run",
@@ -136,7 +162,7 @@ class RunState:
                 file=recipe.path,
             )
         self.batches = Batches(
-            self.parts.data, run.batch_size, run.seed + 1, self.parts.device, self.parts.dtype, rank, world
+            self.parts.data, run.batch_size, self.seed + 1, self.parts.device, self.parts.dtype, rank, world
         )
         self.step = 0
         self.sums = StepSums()  # the step metrics summed since the last log step (``progress``)
@@ -199,8 +225,8 @@ class RunState:
         for name, net in self.parts.networks().items():
             net.load_state_dict(state["networks"][name])
         ranks = state.get("ranks")
-        other_world = ranks is None or len(ranks) != self.world
-        own = state if other_world else ranks[self.rank]
+        own = ranks[self.rank] if ranks is not None and len(ranks) == self.world else state
+        other_world = own is state
         self.estimator.load_state_dict(own["estimator"])
         for name, role in self.roles.items():
             role.load_state_dict(state["roles"][name], training)
@@ -210,7 +236,7 @@ class RunState:
         self.batches.load_state_dict(state["data"])
         ckpt.set_rng_state(own["rng"])
         if other_world and self.rank:
-            ckpt.seed_everything(distributed.rank_seed(self.recipe.run.seed + self.step, self.rank))
+            ckpt.seed_everything(distributed.rank_seed(self.seed + self.step, self.rank))
         self.best = state.get("best")
         self.best_step = state.get("best_step")
         self.stale = int(state.get("stale", 0))
