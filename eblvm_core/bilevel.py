@@ -180,21 +180,32 @@ def hvp(grads: Sequence[Tensor], params: Sequence[Tensor], vector: Sequence[Tens
 @attrs.frozen
 class SolveInfo:
     """How a linear solve ended: iterations used and the final relative residual (CG) or
-    relative size of the last Neumann term."""
+    relative size of the last Neumann term; 0-d tensors from a solve of fixed length (``fixed``),
+    which reads nothing on the host."""
 
-    iterations: int
-    residual: float
+    iterations: int | Tensor
+    residual: float | Tensor
 
 
 def conjugate_gradient(
-    matvec: Callable[[Tensor], Tensor], b: Tensor, iterations: int = 20, tol: float = 1e-6, damping: float = 0.0
+    matvec: Callable[[Tensor], Tensor],
+    b: Tensor,
+    iterations: int = 20,
+    tol: float = 1e-6,
+    damping: float = 0.0,
+    fixed: bool = False,
 ) -> tuple[Tensor, SolveInfo]:
     """Solve (A + damping·I) x = b for symmetric A given only x ↦ Ax, from x = 0.
 
     Stops when ‖r‖ ≤ tol·‖b‖ or after ``iterations``; on a direction of non-positive
     curvature (A not positive definite there) it stops and returns the iterate reached so
-    far (x = 0 if that happens at once: the implicit correction is then dropped).
+    far (x = 0 if that happens at once: the implicit correction is then dropped). ``fixed``
+    takes exactly ``iterations`` steps and decides nothing on the host (a compiled step): the
+    tolerance is not read, and from a non-positive curvature on (or once the residual is 0) the
+    iterate stays where it is.
     """
+    if fixed:
+        return _conjugate_gradient_fixed(matvec, b, iterations, damping)
     x = torch.zeros_like(b)
     r, p = b.clone(), b.clone()
     rr = r.dot(r)
@@ -218,6 +229,31 @@ def conjugate_gradient(
     return x, SolveInfo(done, float(rr.sqrt()) / b_norm)
 
 
+def _conjugate_gradient_fixed(
+    matvec: Callable[[Tensor], Tensor], b: Tensor, iterations: int, damping: float
+) -> tuple[Tensor, SolveInfo]:
+    """``conjugate_gradient``'s iterations, ``iterations`` of them, each masked off once the
+    curvature is not positive or the residual vanished; iterations counts the steps taken."""
+    x = torch.zeros_like(b)
+    r, p = b.clone(), b.clone()
+    rr = r.dot(r)
+    b_norm = rr.sqrt()
+    active = b_norm > 0
+    done = torch.zeros((), dtype=b.dtype, device=b.device)
+    for _ in range(iterations):
+        ap = matvec(p) + damping * p
+        curvature = p.dot(ap)
+        active = active & (curvature > 0) & (rr > 0)
+        alpha = torch.where(active, rr / torch.where(active, curvature, 1.0), 0.0)
+        x = x + alpha * p
+        r = r - alpha * ap
+        rr_new = r.dot(r)
+        p = torch.where(active, r + (rr_new / torch.where(active, rr, 1.0)) * p, p)
+        rr = torch.where(active, rr_new, rr)
+        done = done + active.to(done.dtype)
+    return x, SolveInfo(done, torch.where(b_norm > 0, rr.sqrt() / b_norm.clamp_min(torch.finfo(b.dtype).tiny), 0.0))
+
+
 def neumann(
     matvec: Callable[[Tensor], Tensor],
     b: Tensor,
@@ -225,13 +261,22 @@ def neumann(
     tol: float = 1e-6,
     damping: float = 0.0,
     step: float = 0.1,
+    fixed: bool = False,
 ) -> tuple[Tensor, SolveInfo]:
     """Approximate (A + damping·I)⁻¹ b by the truncated series step·Σ_k (I − step·(A + damping·I))^k b.
 
     Converges when the eigenvalues of step·(A + damping·I) lie in (0, 2); stops once a term
-    is smaller than tol·‖b‖.
+    is smaller than tol·‖b‖. ``fixed`` sums exactly ``iterations`` terms and reads nothing on the
+    host (a compiled step).
     """
     term, total = b.clone(), b.clone()
+    if fixed:
+        for _ in range(iterations):
+            term = term - step * (matvec(term) + damping * term)
+            total = total + term
+        norm = b.norm()
+        last = torch.where(norm > 0, term.norm() / norm.clamp_min(torch.finfo(b.dtype).tiny), 0.0)
+        return step * total, SolveInfo(torch.tensor(float(iterations), dtype=b.dtype, device=b.device), last)
     b_norm = float(b.norm())
     if b_norm == 0.0:
         return torch.zeros_like(b), SolveInfo(0, 0.0)
@@ -281,7 +326,7 @@ def fit_posterior(
     x: Tensor,
     steps: int,
     weights: Tensor | None = None,
-) -> dict[str, float]:
+) -> dict[str, Tensor]:
     """``steps`` real updates of φ (the posterior's ``role``) on the lower level G = mean
     w·D(q(h|x) ‖ p(h|x)) (``weights`` w (B,), None: all 1); θ is not touched.
 

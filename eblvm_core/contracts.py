@@ -278,7 +278,8 @@ class Estimator:
     the same kernels on same-shaped tensors every step, never reads a device value on the host,
     returns only tensors, and changes its state (parameters, optimizer moments, buffers) in place.
     The same makes it compilable on a CPU (``eblvm_core.compiled``); ``not_graph_safe`` says why a
-    step is not, in the log line of a run that trains it eagerly.
+    step is not, in the log line of a run that trains it eagerly. An estimator graph-safe under some
+    of its options only says so per config in ``graph_safety``.
     """
 
     roles: tuple[str, ...] = ("model",)
@@ -286,6 +287,13 @@ class Estimator:
     precision_note: str = ""
     graph_safe: bool = False
     not_graph_safe: str = "the estimator does not declare its step graph-safe"
+
+    @classmethod
+    def graph_safety(cls, config: Any) -> str | None:
+        """Why the step made from ``config`` (the estimator's attrs config) is not graph-safe, or
+        None where it is; read before anything is built. By default ``graph_safe``'s verdict for
+        every config."""
+        return None if cls.graph_safe else cls.not_graph_safe
 
     def step(self, batch: Tensor) -> Mapping[str, float | Tensor]:
         """batch (B, *event_shape) -> metrics; updates parameters through its roles' ``update``."""

@@ -130,11 +130,13 @@ def declared_estimator(entry: Entry) -> type[Estimator] | None:
 
 
 def not_graph_safe(recipe: Recipe) -> str | None:
-    """Why the recipe's estimator does not declare its step graph-safe (None: it does)."""
-    declared = declared_estimator(recipe.parts["estimator"].entry)
+    """Why the recipe's estimator does not declare its step graph-safe (None: it does), by its
+    class's ``graph_safety`` of the recipe's config."""
+    section = recipe.parts["estimator"]
+    declared = declared_estimator(section.entry)
     if declared is None:
         return "the estimator's factory does not say which Estimator it returns"
-    return None if declared.graph_safe else declared.not_graph_safe
+    return declared.graph_safety(section.config)
 
 
 def graph_verdict(recipe: Recipe, world: int) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, cast
 
 import attrs
 import torch
@@ -56,6 +56,14 @@ from eblvm.tools import (
     weighted_mean,
 )
 from eblvm_bism.diagnostics import GradientBiasConfig, build_gradient_bias
+
+
+class BlockPosterior(Protocol):
+    """A posterior with per-unit Fisher blocks (linear Bernoulli logits: ``has_fisher_blocks``)."""
+
+    def fisher_blocks(self, v: Tensor) -> Any: ...
+
+    def solve_blocks(self, blocks: Any, vectors: dict[str, Tensor], damping: float) -> dict[str, Tensor]: ...
 
 
 def modified_score(model: EnergyModel | Conditioned, posterior: Posterior) -> ScoreField:
@@ -99,8 +107,15 @@ class BiSM(Estimator):
         self.posterior_role = parts.make_role("posterior", list(self.phi.values()))
         self.functional = Functional(self.posterior)
 
-    upper_shares_features = True
-    """Whether the upper level is evaluated at the real φ, so it can reuse the lower level's f(x)."""
+    @property
+    def upper_shares_features(self) -> bool:
+        """Whether the upper level is evaluated at the real φ, so it can reuse the lower level's f(x)."""
+        return True
+
+    @property
+    def block_posterior(self) -> BlockPosterior:
+        """The posterior as one with Fisher blocks (the factories check ``has_fisher_blocks``)."""
+        return cast(BlockPosterior, self.posterior)
 
     def condition(self, x: Tensor) -> tuple[Tensor, EnergyModel | Conditioned]:
         """(points, energy) for one step at the current θ. A model that conditions gets
@@ -125,7 +140,7 @@ class BiSM(Estimator):
     def fisher_blocks(self, x: Tensor) -> Any:
         """The posterior's per-unit Fisher blocks at the current φ on x (linear Bernoulli logits),
         averaged over the ranks; a constant (no gradient flows through it), read by its ``solve_blocks``."""
-        return self.posterior.fisher_blocks(x).mean_over_ranks()
+        return self.block_posterior.fisher_blocks(x).mean_over_ranks()
 
     def upper(self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None) -> Tensor:
         """J_Bi(θ, φ) on the points x: scalar batch mean of the objective on the modified score."""
@@ -134,7 +149,7 @@ class BiSM(Estimator):
 
     def fit_posterior(
         self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
-    ) -> dict[str, float]:
+    ) -> dict[str, Tensor]:
         """K real updates of φ on G (points weighted by ``weights``) with the posterior's
         optimizer; θ gets no gradient (a conditioned energy is used detached)."""
         return fit_posterior(
@@ -149,15 +164,15 @@ class BiSM(Estimator):
 
     def hypergradient(
         self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None
-    ) -> tuple[list[Tensor], dict[str, float]]:
-        """dJ/dθ per model parameter and metrics, at the current φ. ``energy`` is what
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """dJ/dθ per model parameter and metrics (0-d tensors), at the current φ. ``energy`` is what
         ``condition`` returned with x; without it the estimator conditions on x itself."""
         raise NotImplementedError
 
     def _energy(self, x: Tensor, energy: EnergyModel | Conditioned | None) -> tuple[Tensor, EnergyModel | Conditioned]:
         return self.condition(x) if energy is None else (x, energy)
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, Tensor]:
         """batch (B, d) -> metrics; K posterior updates, then one model update."""
         x, context = self.objective.points(batch)
         x, energy = self.condition(x)
@@ -216,7 +231,7 @@ class BiSMUnrolled(BiSM):
         """Only at N = 0: φ_N(θ) for N > 0 depends on f(x), which ∇_x of ŝ must not see."""
         return self.unroll_steps == 0
 
-    def _update_rule(self, x: Tensor | None = None) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
+    def _update_rule(self, x: Tensor) -> Callable[[dict[str, Tensor], list[Tensor]], dict[str, Tensor]]:
         if self.unroll == "adam":
             return DifferentiableAdam.from_optimizer(self.posterior_role.optimizer, list(self.phi.values())).step
         if self.unroll == "natural":
@@ -230,7 +245,7 @@ class BiSMUnrolled(BiSM):
         names, lr, damping = list(self.phi), self.inner_lr, self.natural_damping
 
         def step(params: dict[str, Tensor], grads: list[Tensor]) -> dict[str, Tensor]:
-            direction = self.posterior.solve_blocks(blocks, dict(zip(names, grads)), damping)
+            direction = self.block_posterior.solve_blocks(blocks, dict(zip(names, grads)), damping)
             return {name: torch.add(p, direction[name], alpha=-lr) for name, p in params.items()}
 
         return step
@@ -287,25 +302,40 @@ class BiSMImplicit(BiSM):
     term ∂²_θφG·w is still the divergence's (exact with ``[divergence] exact = true``).
     """
 
-    not_graph_safe = "its conjugate-gradient and Neumann solves stop at a tolerance read on the host"
+    not_graph_safe = (
+        "its conjugate-gradient and Neumann solves stop at a tolerance read on the host "
+        "([estimator] fixed_iterations = true runs solver_steps of them and compiles)"
+    )
 
-    def __init__(self, parts: Parts, inner_steps: int, solve: Callable[..., Any], block_damping: float | None = None):
+    @classmethod
+    def graph_safety(cls, config: Any) -> str | None:
+        """Graph-safe with a solve of fixed length, or the exact Fisher-block solve."""
+        return None if config.fixed_iterations or config.hessian == "fisher-blocks" else cls.not_graph_safe
+
+    def __init__(
+        self,
+        parts: Parts,
+        inner_steps: int,
+        solve: Callable[..., Any],
+        block_damping: float | None = None,
+        graph_safe: bool = False,
+    ):
         super().__init__(parts, inner_steps)
         self.solve = solve
         self.block_damping = block_damping
+        self.graph_safe = graph_safe
 
-    def _solve_blocks(self, x: Tensor, d_phi: list[Tensor]) -> tuple[Tensor, SolveInfo]:
-        """w = (F + λI)⁻¹∂_φJ per unit, F and ∂_φJ averaged over the ranks; flat, like ``solve``'s."""
+    def _solve_blocks(self, x: Tensor, d_phi: list[Tensor], damping: float) -> tuple[Tensor, SolveInfo]:
+        """w = (F + λI)⁻¹∂_φJ per unit (λ = ``damping``), F and ∂_φJ averaged over the ranks; flat,
+        like ``solve``'s."""
         names = list(self.phi)
-        w = self.posterior.solve_blocks(
-            self.fisher_blocks(x), dict(zip(names, mean_over_ranks(d_phi))), self.block_damping
-        )
+        w = self.block_posterior.solve_blocks(self.fisher_blocks(x), dict(zip(names, mean_over_ranks(d_phi))), damping)
         return flat([w[name] for name in names]), SolveInfo(1, 0.0)
 
     def hypergradient(
         self, x: Tensor, context: Any, energy: EnergyModel | Conditioned | None = None
-    ) -> tuple[list[Tensor], dict[str, float]]:
-        """dJ_Bi(θ, φ*(θ))/dθ by the implicit function theorem, at the current φ."""
+    ) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """dJ_Bi(θ, φ*(θ))/dθ by the implicit function theorem, at the current φ; metrics as 0-d tensors."""
         x, energy = self._energy(x, energy)
         phi = list(self.phi.values())
         lower = self.lower(x, energy, self.objective.point_weights(context))
@@ -315,17 +345,17 @@ class BiSMImplicit(BiSM):
         partial = grads_or_zeros(upper, self.theta + phi, retain_graph=isinstance(energy, Conditioned))
         d_theta, d_phi = partial[: len(self.theta)], partial[len(self.theta) :]
         if self.block_damping is not None:
-            w, info = self._solve_blocks(x, d_phi)
+            w, info = self._solve_blocks(x, d_phi, self.block_damping)
         else:
             w, info = self.solve(
                 lambda vec: flat(mean_over_ranks(hvp(grad_phi, phi, unflat(vec, phi)))), flat(mean_over_ranks(d_phi))
             )
         mixed = hvp(grad_phi, self.theta, unflat(w, phi))
         metrics = {
-            "loss": float(upper.detach()),
-            "lower_loss": float(lower.detach()),
-            "solver_iterations": float(info.iterations),
-            "solver_residual": info.residual,
+            "loss": upper.detach(),
+            "lower_loss": lower.detach(),
+            "solver_iterations": torch.as_tensor(info.iterations, dtype=upper.dtype, device=upper.device),
+            "solver_residual": torch.as_tensor(info.residual, dtype=upper.dtype, device=upper.device),
         }
         return [a - b for a, b in zip(d_theta, mixed)], metrics
 
@@ -389,6 +419,11 @@ class ImplicitConfig:
     )
     damping: float = option(1e-3, "added to the Hessian's diagonal", non_negative)
     neumann_step: float = option(0.1, "step of the Neumann series; needs step·λ_max(H) < 2", positive)
+    fixed_iterations: bool = option(
+        False,
+        "run exactly solver_steps solver iterations, tolerance unread (nothing read on the host, so the step "
+        "compiles: [run] compile); false stops at the tolerance",
+    )
     hessian: Literal["autograd", "fisher-blocks"] = option(
         "autograd",
         "the lower level's Hessian in the solve: 'autograd' (Hessian-vector products of the divergence, by the "
@@ -401,15 +436,20 @@ def build_implicit(cfg: ImplicitConfig, parts: Parts) -> BiSMImplicit:
     """BiSM with the implicit-function-theorem hypergradient (CG or Neumann on Hessian-vector products)."""
     if cfg.hessian == "fisher-blocks":
         _needs_fisher_blocks(parts, "hessian", "'fisher-blocks'")
+    common: dict[str, Any] = {
+        "iterations": cfg.solver_steps,
+        "tol": cfg.tolerance,
+        "damping": cfg.damping,
+        "fixed": cfg.fixed_iterations,
+    }
     if cfg.solver == "cg":
-        solve = functools.partial(
-            conjugate_gradient, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping
-        )
+        solve = functools.partial(conjugate_gradient, **common)
     else:
-        solve = functools.partial(
-            neumann, iterations=cfg.solver_steps, tol=cfg.tolerance, damping=cfg.damping, step=cfg.neumann_step
-        )
-    return BiSMImplicit(parts, cfg.inner_steps, solve, cfg.damping if cfg.hessian == "fisher-blocks" else None)
+        solve = functools.partial(neumann, **common, step=cfg.neumann_step)
+    blocks = cfg.hessian == "fisher-blocks"
+    return BiSMImplicit(
+        parts, cfg.inner_steps, solve, cfg.damping if blocks else None, BiSMImplicit.graph_safety(cfg) is None
+    )
 
 
 @hookimpl

@@ -56,10 +56,13 @@ def nce_loss(
 
 
 class GaussianNoise:
-    """The noise distribution p_n = N(mean, L Lᵀ) over flattened v (d,)."""
+    """The noise distribution p_n = N(mean, L Lᵀ) over flattened v (d,). Its arguments are checked
+    here, once; its draws and densities are tensor operations that read nothing on the host (no
+    per-call validation), so a step that uses them compiles, the draws taken outside the graph."""
 
     def __init__(self, mean: Tensor, scale_tril: Tensor):
-        self.dist = torch.distributions.MultivariateNormal(mean, scale_tril=scale_tril)
+        torch.distributions.MultivariateNormal(mean, scale_tril=scale_tril, validate_args=True)
+        self.dist = torch.distributions.MultivariateNormal(mean, scale_tril=scale_tril, validate_args=False)
 
     def sample(self, n: int) -> Tensor:
         """(n, d) draws."""
@@ -127,8 +130,8 @@ class NCE(Estimator):
     """NCE for models with a free energy: log φ(u) = −F(u); the log-normaliser c is a learned
     scalar stepped by the model's optimizer and checkpointed in ``state_dict``."""
 
-    roles = ("model",)
-    not_graph_safe = "torch.distributions, which draws and scores its noise, reads values on the host"
+    roles: tuple[str, ...] = ("model",)
+    graph_safe = True
 
     def __init__(self, model: EnergyModel, noise: GaussianNoise, nu: float, parts: Parts):
         self.model, self.noise, self.nu = model, noise, nu
@@ -153,7 +156,7 @@ class NCE(Estimator):
         """log φ(x) − c: (B,), or (k, B) for VNCE's per-draw bound."""
         return self.log_unnormalised(x, False) - self.log_z
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, Tensor]:
         n_noise = max(1, round(self.nu * len(batch)))
         nu = n_noise / len(batch)
         y = self.noise.sample(n_noise).reshape(n_noise, *batch.shape[1:])
@@ -204,7 +207,7 @@ class VNCE(NCE):
             return torch.logsumexp(log_w, 0) - math.log(k)
         return log_w
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, Tensor]:
         lower = None
         for _ in range(self.cfg.inner_steps):
             lower = self.divergence(self.model, self.posterior, batch).mean()

@@ -75,7 +75,6 @@ def test_the_deep_steps_with_their_schedules_may_be_captured(case):
         ("grbm_bissm.toml", [], {"world": 2}, "several processes"),
         ("grbm_dsm.toml", [], {"precision": "fp16"}, "precision fp16 scales the loss with a GradScaler"),
         ("grbm_bism_implicit.toml", [], {}, "its conjugate-gradient and Neumann solves stop at a tolerance"),
-        ("grbm_nce.toml", [], {}, "torch.distributions"),
         (
             "grbm_ssm.toml",
             ['optim.model.kind="sgd"', "optim.model.momentum=0.9", 'optim.model.schedule.kind="cosine"'],
