@@ -3,16 +3,23 @@
     python benchmarks/bench_compile.py [--rounds 10] [--block 20] [--threads 1] [--sizes checkerboard frey digits] [--out table.md]
     python benchmarks/bench_compile.py --smoke     # two checkerboard cases, one round: a check, not a timing
 
-Each case is a bundled recipe built as ``eblvm run`` builds it (``eblvm.prepare``), in a process of
-its own. The process compiles the step (``[run] compile = true``) with an empty inductor cache
-(``TORCHINDUCTOR_CACHE_DIR`` a new folder: the cold compile), then a second process compiles it
-again with that cache (the warm compile) and times it: in each of ``--rounds`` rounds ``--block``
-eager steps then ``--block`` compiled ones, on the same state, so a drift in the machine's speed
-hits both alike. Reported: the median eager and compiled step, their ratio, the two compile times,
-and the largest relative difference between one compiled and one eager step from the same state
-and seed (float rounding). An estimator that does not compile is listed with why. Frey-face size
-uses a random stand-in of the data file; digits, scikit-learn's, with constant learning rates
-(compiled steps take constant rates; the recipes' schedules are dropped for the measurement).
+Each case is a bundled recipe built as ``eblvm run`` builds it (``eblvm.prepare``, ``[run] compile =
+true``, schedules as the recipe has them), in a process of its own. A first process compiles the
+step with an empty inductor cache (``TORCHINDUCTOR_CACHE_DIR`` a new folder: the cold compile, as a
+new user meets it), a second compiles it again with that cache (the warm compile) and times, in
+each of ``--rounds`` rounds on the same state so that a drift in the machine's speed hits all
+alike, ``--block`` steps of each of:
+
+- eager: the estimator's own step;
+- compiled: the compiled step, its random draws taken before each call;
+- graph: the compiled graphs alone (``CompiledStep.replay``), on the draws taken last;
+- loop: the step as the training loop takes it (``Trainer.step``: the rates, the batch, the
+  compiled step, the averages, the metric sums).
+
+Reported: the median of each, eager / compiled, loop / graph, the compile times (the trace, then
+inductor) and the largest relative difference between one compiled and one eager step from the
+same state and seed (float rounding). An estimator that does not compile is listed with why.
+Frey-face size uses a random stand-in of the data file; digits, scikit-learn's.
 """
 
 from __future__ import annotations
@@ -39,7 +46,9 @@ CHECKERBOARD = [
     ("BiDSM (K=5, N=5, sgd)", "grbm_bidsm.toml", ['estimator.unroll="sgd"']),
     ("BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ['estimator.unroll="adam"']),
     ("BiSSM (K=5, N=5): the main job", "grbm_bissm.toml", []),
+    ("BiSSM, cosine rate", "grbm_bissm.toml", ['optim.model.schedule.kind="cosine"']),
     ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", []),
+    ("BiSM implicit (K=5, Neumann 40, fixed)", "grbm_bism_implicit.toml", ["estimator.fixed_iterations=true"]),
     ("VaGES-DSM (L=2, K=5)", "grbm_vagesdsm.toml", []),
     ("VaGES-KSD (L=2, K=5)", "grbm_vagesksd.toml", []),
     ("IS-KSD", "grbm_isksd.toml", []),
@@ -53,15 +62,10 @@ FREY = [
     ("BiDSM (K=5, N=5, adam)", "freyface_bidsm.toml", []),
     ("VaGES-DSM (L=2, K=5)", "freyface_vagesdsm.toml", []),
 ]
-CONSTANT = ["~optim.model.schedule"]  # the posterior's rate is constant already
 DIGITS = [
-    ("BiMDSM (K=5, N=0)", "digits_bimdsm.toml", CONSTANT),
-    ("MDSM EBM (exact score)", "digits_mdsm.toml", CONSTANT),
-    (
-        "BiDVL (N=1)",
-        "digits_bidvl.toml",
-        [f"~optim.{r}.schedule" for r in ("energy", "encoder", "generator")],
-    ),
+    ("BiMDSM (K=5, N=0)", "digits_bimdsm.toml", []),
+    ("MDSM EBM (exact score)", "digits_mdsm.toml", []),
+    ("BiDVL (N=1)", "digits_bidvl.toml", []),
 ]
 SIZES = {"checkerboard": CHECKERBOARD, "frey": FREY, "digits": DIGITS}
 
@@ -74,32 +78,39 @@ def frey_stand_in(folder: Path) -> Path:
 
 
 def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads: int) -> dict:
-    """In this process: compile the case (timed), check one compiled step against one eager step,
-    then time the two in interleaved rounds. Returns the numbers as a dict."""
+    """In this process: build the case with its step compiled (timed), check one compiled step
+    against one eager step, then time the four kinds of step in interleaved rounds."""
     import torch
 
     import eblvm
     from eblvm_core import checkpoint as ckpt
-    from eblvm_core.compiled import CompiledStep, Refused, state_tensors
+    from eblvm_core.errors import ConfigError
     from eblvm_core.plan import numerics
+    from eblvm_core.trainer import Trainer
 
-    options = [*overrides, "~eval", "run.seed=0", 'run.device="cpu"', f"run.threads={threads}", "run.compile=false"]
-    prepared = eblvm.prepare(ROOT / "recipes" / recipe, overrides=options, echo=None)
+    options = [*overrides, "~eval", "run.seed=0", 'run.device="cpu"', f"run.threads={threads}"]
+    start = time.perf_counter()
+    try:
+        prepared = eblvm.prepare(ROOT / "recipes" / recipe, overrides=[*options, "run.compile=true"], echo=None)
+    except ConfigError as exc:
+        prepared = eblvm.prepare(ROOT / "recipes" / recipe, overrides=[*options, "run.compile=false"], echo=None)
+        refusal = str(exc).split("cannot be compiled: ", 1)[-1]
+        result = {"refused": refusal}
+        compiled = None
+    else:
+        compiled = prepared.compiled
+        result = {
+            "compile_s": time.perf_counter() - start,
+            "trace_s": compiled.trace_s,
+            "inductor_s": compiled.compile_s,
+        }
     estimator, state = prepared.parts.estimator, prepared.state
-    tensors = state_tensors(prepared.parts.networks(), prepared.roles, estimator)
     batch = state.batches.next()
     with numerics(prepared.plan):
-        start, compiled, refusal = time.perf_counter(), None, estimator.not_graph_safe
-        if estimator.graph_safe:
-            try:
-                compiled = CompiledStep(estimator.step, tensors, state.batches.example(), estimator)
-            except Refused as exc:
-                refusal = str(exc)
-        result = {"compile_s": time.perf_counter() - start}
         steps = {"eager": estimator.step}
-        if compiled is None:
-            result["refused"] = refusal
-        else:
+        if compiled is not None:
+            rates = len(compiled.rates.tensors()) if compiled.rates is not None else 0
+            tensors = compiled.tensors[: len(compiled.tensors) - rates]  # the state, not the rates' inputs
             begin, rng = [t.detach().clone() for t in tensors], ckpt.rng_state()
             estimator.step(batch)
             eager = [t.detach().clone() for t in tensors]
@@ -111,7 +122,8 @@ def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads:
             result["difference"] = max(
                 float((a - b).abs().max() / max(float(b.abs().max()), 1e-30)) for a, b in zip(tensors, eager)
             )
-            steps["compiled"] = compiled
+            trainer = Trainer(prepared.recipe, state, estimator_step=compiled)
+            steps.update({"compiled": compiled, "graph": compiled.replay, "loop": lambda _b: trainer.step()})
         medians: dict[str, list[float]] = {name: [] for name in steps}
         for step in steps.values():  # warm-up
             for _ in range(2):
@@ -142,10 +154,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument(
-        "--block", type=int, default=20, help="timed steps of each kind per round (a tenth at Frey size)"
+        "--block", type=int, default=20, help="timed steps of each kind per round (a tenth at Frey and digits size)"
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--only", nargs="+", default=None, help="only the cases whose name contains one of these")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
     parser.add_argument("--smoke", action="store_true", help="two small checkerboard cases, one round of one step")
     parser.add_argument(
@@ -156,11 +169,13 @@ def main() -> None:
         print(json.dumps(measure(*json.loads(args.one))))
         return
     cases = [(size, name, recipe, overrides) for size in args.sizes for name, recipe, overrides in SIZES[size]]
+    if args.only:
+        cases = [case for case in cases if any(part in case[1] for part in args.only)]
     if args.smoke:
         args.rounds, args.block = 1, 1
         cases = [
             ("checkerboard", name, recipe, ["run.batch_size=10", *o])
-            for name, recipe, o in (CHECKERBOARD[0], CHECKERBOARD[6])
+            for name, recipe, o in (CHECKERBOARD[0], CHECKERBOARD[7])
         ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,27 +194,28 @@ def main() -> None:
 
 def table(rows: list[tuple[str, str, dict, dict]], args: argparse.Namespace) -> str:
     lines = [
-        "| size | estimator | eager (ms) | compiled (ms) | eager / compiled | compile cold (s) | compile warm (s) | "
-        "one step's largest relative difference |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | estimator | eager (ms) | compiled (ms) | graph (ms) | loop (ms) | eager / compiled | loop / graph | "
+        "compile cold (s) | compile warm (s) | one step's largest relative difference |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for size, name, cold, warm in rows:
         if "error" in warm or "error" in cold:
-            lines.append(f"| {size} | {name} | failed: {warm.get('error') or cold.get('error')} | | | | | |")
+            lines.append(f"| {size} | {name} | failed: {warm.get('error') or cold.get('error')} |" + " |" * 9)
         elif "refused" in warm:
-            lines.append(f"| {size} | {name} | {warm['eager_ms']:.2f} | not compiled: {warm['refused']} | | | | |")
+            lines.append(f"| {size} | {name} | {warm['eager_ms']:.2f} | not compiled: {warm['refused']} |" + " |" * 8)
         else:
-            ratio = warm["eager_ms"] / warm["compiled_ms"]
             lines.append(
-                f"| {size} | {name} | {warm['eager_ms']:.2f} | {warm['compiled_ms']:.3f} | {ratio:.1f} | "
-                f"{cold['compile_s']:.1f} | {warm['compile_s']:.1f} | {warm['difference']:.1e} |"
+                f"| {size} | {name} | {warm['eager_ms']:.2f} | {warm['compiled_ms']:.3f} | {warm['graph_ms']:.3f} | "
+                f"{warm['loop_ms']:.3f} | {warm['eager_ms'] / warm['compiled_ms']:.1f} | "
+                f"{warm['loop_ms'] / warm['graph_ms']:.2f} | {cold['compile_s']:.1f} | {warm['compile_s']:.1f} | "
+                f"{warm['difference']:.1e} |"
             )
     import torch
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
     note = (
         f"Machine: {machine}; {args.threads} CPU thread(s). Median step over {args.rounds} interleaved rounds "
-        "(eager, then compiled, on the same state)."
+        "(eager, compiled, graph, loop, on the same state); compile times include the trace."
     )
     return "\n".join([note, "", *lines, ""])
 

@@ -21,6 +21,7 @@ contracts are in ``eblvm.plugin``.
 from __future__ import annotations
 
 from eblvm_core.bilevel import (
+    REPEATED,
     DifferentiableAdam,
     Functional,
     SolveInfo,
@@ -66,6 +67,7 @@ from eblvm_core.rundir import METRICS, PROVENANCE, RECIPE, hyperparameters
 
 __all__ = [
     # bi-level steps
+    "REPEATED",
     "DifferentiableAdam",
     "Functional",
     "SolveInfo",

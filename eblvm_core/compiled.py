@@ -1,20 +1,28 @@
 """A training step traced once (``make_fx``, backward passes included) into one graph of aten
-operations over the run's state, the batch and the step's random numbers, compiled by inductor
-and replayed in place. Random draws stay eager, drawn before each call in the eager step's order,
-so a compiled step takes the eager step up to float rounding. A step that is not graph-safe or
-does what the trace cannot lift is ``Refused``. CONTRIBUTING.md ("How a step is compiled or
-captured") has the design."""
+operations over the run's state, the batch, the step's random numbers and its scheduled rates,
+compiled by inductor (without dynamo: no guards on a call) and replayed in place. Random draws stay
+eager, drawn before each call in the eager step's order (a run of same-kind draws in one call), so a
+compiled step takes the eager step up to float rounding. A step that is not graph-safe or does what
+the trace cannot lift is ``Refused``. CONTRIBUTING.md ("How a step is compiled or captured") has the
+design."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+import operator
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
 import torch
 from torch import Tensor
 
 from eblvm_core import checkpoint as ckpt
+from eblvm_core import inductor
+from eblvm_core.optim import RateTensors
 from eblvm_core.roles import TrainingRole
 
 aten = torch.ops.aten
@@ -23,6 +31,13 @@ UNIFORM = {aten.rand, aten.rand_like}  # random draws at fixed shapes, lifted ou
 NORMAL = {aten.randn, aten.randn_like}
 LIKE = {aten.rand_like, aten.randn_like}
 HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.item.default}
+# a matrix product of at most this many multiply-adds is traced as a broadcast product and a sum,
+# which inductor fuses with its neighbours: on one CPU thread a call of the library's product costs
+# more than the arithmetic of such a small one (docs/benchmarks.md)
+SMALL_PRODUCT = 16_384
+# a graph whose tensors all have at most this many elements is compiled without SIMD loops: they
+# save little on a few hundred numbers and their code generation costs seconds (docs/benchmarks.md)
+SCALAR_LOOPS_BELOW = 4_096
 
 
 class Refused(Exception):
@@ -37,7 +52,7 @@ def fused_adam(
     max_exp_avg_sqs: list[Tensor],
     state_steps: list[Tensor],
     *,
-    lr: float,
+    lr: float | Tensor,
     beta1: float,
     beta2: float,
     weight_decay: float,
@@ -49,8 +64,8 @@ def fused_adam(
 ) -> None:
     """``torch._fused_adam_`` written as tensor operations, so the trace records them (its
     functional form does not compile): the same update (Adam with L2 weight decay, bias-corrected
-    by the step counts, which the caller has counted up) up to rounding. Updates the parameters
-    and moments in place."""
+    by the step counts, which the caller has counted up) up to rounding, at a rate given as a number
+    or as a 0-d tensor (a scheduled rate, ``RateTensors``). Updates the parameters and moments in place."""
     if amsgrad or grad_scale is not None or found_inf is not None:
         raise Refused("the fused Adam step uses amsgrad or a gradient scaler")
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps):
@@ -63,11 +78,101 @@ def fused_adam(
         p.sub_(m * (lr / (1 - beta1**step)) / denominator)
 
 
-DECOMPOSITIONS = {aten._fused_adam_.default: fused_adam}
+def fused_sgd(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momentum_buffer_list: list[Tensor],
+    *,
+    weight_decay: float,
+    momentum: float,
+    lr: float | Tensor,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool,
+    is_first_step: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """``torch._fused_sgd_`` written as tensor operations (torch's SGD: weight decay, momentum with
+    dampening, Nesterov), at a rate given as a number or a 0-d tensor; the trace takes it for an SGD
+    whose rate is scheduled (``CompiledStep``). Updates the parameters and momentum buffers in place."""
+    if grad_scale is not None or found_inf is not None:
+        raise Refused("the fused SGD step uses a gradient scaler")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        g = -g if maximize else g
+        if weight_decay:
+            g = g + weight_decay * p
+        if momentum:
+            buffer = momentum_buffer_list[i]
+            if is_first_step:
+                buffer.copy_(g)
+            else:
+                buffer.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g + momentum * buffer if nesterov else buffer
+        p.sub_(g * lr)
+
+
+def _broadcast_product(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b for a (m, k), b (k, n) as Σ_k a[:, k, None]·b[None, k, :]: (m, n)."""
+    return (a.unsqueeze(2) * b.unsqueeze(0)).sum(1)
+
+
+def _small(a: Tensor, b: Tensor) -> bool:
+    return a.shape[0] * a.shape[1] * b.shape[-1] <= SMALL_PRODUCT
+
+
+def small_mm(a: Tensor, b: Tensor) -> Any:
+    """``mm`` of a small product as a broadcast product and a sum (fused by inductor); else the op itself."""
+    return _broadcast_product(a, b) if _small(a, b) else NotImplemented
+
+
+def small_addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1, alpha: float = 1) -> Any:
+    """``addmm`` (beta·c + alpha·a @ b) of a small product likewise."""
+    if not _small(a, b):
+        return NotImplemented
+    product = _broadcast_product(a, b)
+    return (c if beta == 1 else beta * c) + (product if alpha == 1 else alpha * product)
+
+
+def foreach_norm(tensors: list[Tensor], ord: float = 2, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """``_foreach_norm`` as one ``vector_norm`` a tensor, which inductor fuses (the foreach op is a
+    library call per step)."""
+    return [torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]
+
+
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten._fused_adam_.default: fused_adam,
+    aten._fused_adam_.tensor_lr: fused_adam,
+    aten._fused_sgd_.default: fused_sgd,
+    aten._fused_sgd_.tensor_lr: fused_sgd,
+    aten.mm.default: small_mm,
+    aten.addmm.default: small_addmm,
+    aten._foreach_norm.Scalar: foreach_norm,
+}
 # inductor's pattern rewrites change what a traced BiSSM step computes (its upper-level loss: -0.54
 # against -1.37 eager, from the same state and noise; torch 2.14.1, CPU); the rest of inductor is
-# exact to rounding here (tests/core/test_compiled.py checks every compiled estimator against eager)
-INDUCTOR = {"pattern_matcher": False}
+# exact to rounding here (tests/core/test_compiled.py checks every compiled estimator against eager).
+# Tensors keep the layout the eager step gives them (no channels-last convolutions): a part reads what
+# another part returns as the trace saw it (a view of it included).
+INDUCTOR = {"pattern_matcher": False, "layout_optimization": False}
+# SIMD loops, for a graph with a tensor above SCALAR_LOOPS_BELOW elements, use the ISA the CPU's flags
+# name, without inductor's trial build of each (seconds on a new machine); scalar loops skip the ISA
+# checks altogether. Inductor keeps the first answer for the process: a process that compiled a small
+# graph first compiles a larger one with scalar loops too (as fast to compile, slower to run).
+SIMD = {"cpp.vec_isa_ok": True}
+SCALAR = {"cpp.vec_isa_ok": False}
+# Each kernel inductor writes is a C++ file of its own, whose header takes a second or two to read.
+# A part with no library call (a convolution, a large matrix product) fuses into one kernel, and its
+# header is read once; one with library calls between its operations is many kernels, and reads the
+# header precompiled (built once a machine, 150 MB beside inductor's cache: a few seconds, which
+# one kernel would not repay; the digits BiMDSM step compiles 3.5 times as fast with it).
+LIBRARY_CALLS = {
+    aten.convolution.default,
+    aten.convolution_backward.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+}
 
 
 def state_tensors(networks: dict[str, torch.nn.Module], roles: dict[str, TrainingRole], estimator: Any) -> list[Tensor]:
@@ -102,22 +207,129 @@ def put_back(tensors: list[Tensor]) -> Iterator[None]:
         ckpt.set_rng_state(rng)
 
 
+@contextlib.contextmanager
+def traced_rates(rates: RateTensors | None) -> Iterator[None]:
+    """Within the block the scheduled rates are read from their tensors (``RateTensors.installed``),
+    and an SGD among their optimizers takes its fused step, whose tensor rate is arithmetic (torch's
+    other SGD steps read a tensor rate on the host), which ``fused_sgd`` writes out for the trace."""
+    if rates is None:
+        yield
+        return
+    groups = [g for opt in rates.optimizers if isinstance(opt, torch.optim.SGD) for g in opt.param_groups]
+    saved = [g.get("fused") for g in groups]
+    for group in groups:
+        group["fused"] = True
+    try:
+        with rates.installed():
+            yield
+    finally:
+        for group, fused in zip(groups, saved):
+            group["fused"] = fused
+
+
+@attrs.frozen
+class Draw:
+    """One random draw the traced step takes: ``kind`` (``torch.rand`` or ``torch.randn``) of ``shape``."""
+
+    kind: Callable[..., Tensor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    generator: torch.Generator | None
+
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()
+
+    def take(self) -> Tensor:
+        """The draw, as the eager step takes it."""
+        return self.kind(self.shape, dtype=self.dtype, device=self.device, generator=self.generator)
+
+
+class DrawBuffer:
+    """Consecutive draws of one kind that the compiled step takes in one call into one buffer kept
+    for the step's life: ``fill()`` draws ``kind(total)`` into it in place, the numbers (and the
+    stream's state after them) the draws give one after the other (``merges``, checked on this
+    machine by ``fills_exactly``); ``views`` are the draws, reshaped slices of the buffer, which the
+    compiled graphs read."""
+
+    def __init__(self, draws: list[Draw]):
+        first = draws[0]
+        self.draws = tuple(draws)
+        shape = first.shape if len(draws) == 1 else (sum(d.numel() for d in draws),)
+        self.buffer = torch.empty(shape, dtype=first.dtype, device=first.device)
+        self.fill = functools.partial(first.kind, shape, generator=first.generator, out=self.buffer)
+        offsets = itertools.accumulate((d.numel() for d in draws), initial=0)
+        self.views = (
+            [self.buffer]
+            if len(draws) == 1
+            else [self.buffer[start : start + d.numel()].view(d.shape) for start, d in zip(offsets, draws)]
+        )
+
+    def fills_exactly(self) -> bool:
+        """Whether ``fill`` gives the numbers the draws give taken one after the other, and leaves the
+        stream where they leave it (the stream is put back)."""
+        generator = self.draws[0].generator or torch.default_generator
+        start = generator.get_state()
+        try:
+            apart = [d.take() for d in self.draws]
+            after_apart = generator.get_state()
+            generator.set_state(start)
+            self.fill()
+            after_fill = generator.get_state()
+        finally:
+            generator.set_state(start)
+        same = all(torch.equal(a, v) for a, v in zip(apart, self.views))
+        return same and torch.equal(after_apart, after_fill)
+
+
+def merges(run: list[Draw]) -> bool:
+    """Whether the draws of ``run`` taken as one ``kind(total)`` give the same numbers in the same
+    order and leave the stream where they would. A CPU uniform draw takes one number of the stream a
+    value, so any run of them does; a normal draw of 16 values or more transforms uniform ones 16 at
+    a time (its last 16 again when the count is not a multiple of 16), so a run of them does when
+    each but the last is a multiple of 16 and the last has 16 or more. A ``DrawBuffer`` is checked
+    on the machine once more before use (``fills_exactly``)."""
+    if len(run) < 2:
+        return False
+    first = run[0]
+    if any(
+        (d.kind, d.dtype, d.device, d.generator) != (first.kind, first.dtype, first.device, first.generator)
+        for d in run
+    ):
+        return False
+    if first.device.type != "cpu":
+        return False
+    if first.kind is torch.rand:
+        return True
+    sizes = [d.numel() for d in run]
+    return all(n >= 16 and n % 16 == 0 for n in sizes[:-1]) and sizes[-1] >= 16
+
+
 def _random(node: torch.fx.Node) -> bool:
     """Whether a graph node draws random numbers (its operator is tagged as seeded)."""
     return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def _lift_draws(graph: torch.fx.Graph) -> list[Callable[[], Tensor]]:
+def _lift_draws(graph: torch.fx.Graph) -> list[Draw]:
     """Turn each random draw of the graph into an input (a Bernoulli draw into a uniform one it is
-    compared with); returns how to draw each, in the graph's order. Another kind of draw is a refusal."""
-    draws: list[Callable[[], Tensor]] = []
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    compared with); returns the draws in the graph's order and their placeholders. Another kind of
+    draw is a refusal."""
+    draws: list[Draw] = []
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1]
+    fake = next(
+        (n.meta["val"].fake_mode for n in graph.nodes if isinstance(n.meta.get("val"), torch._subclasses.FakeTensor)),
+        None,
+    )
 
-    def lifted(kind: Callable[..., Tensor], shape: tuple[int, ...], **kwargs: Any) -> torch.fx.Node:
+    def lifted(kind: Callable[..., Tensor], shape: tuple[int, ...], dtype, device, generator) -> torch.fx.Node:
         nonlocal anchor
-        draws.append(lambda: kind(shape, **kwargs))
+        draws.append(Draw(kind, shape, dtype, torch.device(device), generator))
         with graph.inserting_after(anchor):
             anchor = graph.placeholder(f"draw_{len(draws)}")
+        if fake is not None:
+            with fake:
+                anchor.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
         return anchor
 
     for node in [n for n in graph.nodes if _random(n)]:
@@ -129,11 +341,11 @@ def _lift_draws(graph: torch.fx.Graph) -> list[Callable[[], Tensor]]:
             dtype = node.kwargs.get("dtype") or (like.dtype if like is not None else torch.get_default_dtype())
             device = node.kwargs.get("device") or (like.device if like is not None else torch.device("cpu"))
             kind = torch.rand if packet in UNIFORM else torch.randn
-            node.replace_all_uses_with(lifted(kind, shape, dtype=dtype, device=device, generator=generator))
+            node.replace_all_uses_with(lifted(kind, shape, dtype, device, generator))
         elif packet is aten.bernoulli and node.target in (aten.bernoulli.default, aten.bernoulli.p):
             like = node.args[0].meta["val"]
             probability = node.args[0] if node.target is aten.bernoulli.default else node.args[1]
-            u = lifted(torch.rand, tuple(like.shape), dtype=like.dtype, device=like.device, generator=generator)
+            u = lifted(torch.rand, tuple(like.shape), like.dtype, like.device, generator)
             less = aten.lt.Tensor if isinstance(probability, torch.fx.Node) else aten.lt.Scalar
             with graph.inserting_before(node):
                 below = graph.call_function(less, (u, probability))
@@ -143,7 +355,7 @@ def _lift_draws(graph: torch.fx.Graph) -> list[Callable[[], Tensor]]:
             filled = node.args[0]
             like = filled.meta["val"]
             mean, std = (list(node.args[1:]) + [node.kwargs.get("mean", 0.0), node.kwargs.get("std", 1.0)])[:2]
-            value = lifted(torch.randn, tuple(like.shape), dtype=like.dtype, device=like.device, generator=generator)
+            value = lifted(torch.randn, tuple(like.shape), like.dtype, like.device, generator)
             with graph.inserting_before(node):
                 if std != 1.0:
                     value = graph.call_function(aten.mul.Tensor, (value, std))
@@ -157,17 +369,34 @@ def _lift_draws(graph: torch.fx.Graph) -> list[Callable[[], Tensor]]:
     return draws
 
 
+def _runs(draws: list[Draw]) -> list[list[Draw]]:
+    """The draws split into maximal runs that ``merges`` admits (a lone draw is a run of one)."""
+    runs: list[list[Draw]] = []
+    for draw in draws:
+        if runs and merges([*runs[-1], draw]):
+            runs[-1].append(draw)
+        else:
+            runs.append([draw])
+    return runs
+
+
+def draw_buffers(draws: list[Draw]) -> list[DrawBuffer]:
+    """The buffers that take ``draws`` in the eager order: one a run that ``merges`` and fills exactly
+    on this machine, one a draw otherwise. Raises ``Refused`` where a lone draw's buffer does not fill
+    as the draw itself does."""
+    buffers: list[DrawBuffer] = []
+    for run in _runs(draws):
+        together = DrawBuffer(run)
+        for buffer in [together] if together.fills_exactly() else [DrawBuffer([d]) for d in run]:
+            if not buffer.fills_exactly():
+                raise Refused(f"a draw of {buffer.draws[0].kind.__name__} filled in place differs from its eager draw")
+            buffers.append(buffer)
+    return buffers
+
+
 def _fresh(node: Any) -> bool:
     """Whether a graph node is a tensor made empty by the step itself (filled in place by a draw)."""
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and str(node.target).startswith("aten.empty")
-
-
-def _drop_profiler_ranges(graph: torch.fx.Graph) -> None:
-    """Remove the profiler's range markers (``Optimizer.step#SGD.step``): they compute nothing, and
-    what they return is no tensor, which a compiled graph cannot hold."""
-    for node in reversed(list(graph.nodes)):
-        if node.op == "call_function" and str(node.target).startswith("profiler."):
-            graph.erase_node(node)
 
 
 def _check(graph: torch.fx.Graph) -> None:
@@ -183,28 +412,78 @@ def _check(graph: torch.fx.Graph) -> None:
                     raise Refused(f"the step changes a tensor in place that is not the run's state ({user.target})")
 
 
+def largest_tensor(graph: torch.fx.Graph) -> int:
+    """The most elements of any tensor the graph computes."""
+    sizes = [
+        n.meta["val"].numel() for n in graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), Tensor)
+    ]
+    return max(sizes, default=0)
+
+
+def inductor_options(graph: torch.fx.Graph) -> dict[str, Any]:
+    """``INDUCTOR``, with scalar loops for a graph of small tensors (``SCALAR_LOOPS_BELOW``), else SIMD,
+    and the C++ header precompiled for a graph of many kernels (``LIBRARY_CALLS``)."""
+    kernels = any(node.target in LIBRARY_CALLS for node in graph.nodes)
+    return {
+        **INDUCTOR,
+        **(SCALAR if largest_tensor(graph) <= SCALAR_LOOPS_BELOW else SIMD),
+        "cpp_cache_precompile_headers": kernels,
+    }
+
+
 class CompiledStep:
     """``step(batch) -> metrics`` compiled from the estimator step ``step``, whose state is
     ``tensors`` (``state_tensors``); built by tracing it on ``example`` (a batch of the run's
-    shape and dtype), checking the graph and compiling it, the state and the random streams put
-    back after each. Raises ``Refused`` when the step cannot be compiled: a host read, a random
-    draw it cannot lift, a tensor attribute of ``owner`` (the estimator) it rebinds, a trace or
-    compile error."""
+    shape and dtype), checking the graph, cutting it into parts (``eblvm_core.inductor``: the
+    repeats of a step compiled once) and compiling each, the state and the random streams put back
+    after each. ``rates`` (``RateTensors``) are the scheduled learning rates: the trace reads them
+    from their tensors, which each call fills with the rates the trainer set. Raises ``Refused``
+    when the step cannot be compiled: a host read, a random draw it cannot lift, a tensor attribute
+    of ``owner`` (the estimator) it rebinds, a trace or compile error.
+
+    ``trace_s`` and ``compile_s`` are the seconds the trace and inductor took; ``draws`` the buffers
+    each call fills with the step's random numbers, in the eager step's order; ``calls`` how many
+    compiled parts a step calls and ``compiled_parts`` how many distinct ones were compiled."""
 
     def __init__(
-        self, step: Callable[[Tensor], dict[str, Tensor]], tensors: list[Tensor], example: Tensor, owner: Any = None
+        self,
+        step: Callable[[Tensor], dict[str, Tensor]],
+        tensors: list[Tensor],
+        example: Tensor,
+        owner: Any = None,
+        rates: RateTensors | None = None,
     ):
-        from torch.fx.experimental.proxy_tensor import make_fx
+        if getattr(torch._inductor, "compile_to_python", None) is None:
+            raise Refused(f"torch {torch.__version__} has no torch._inductor.compile_to_python (torch 2.14 or later)")
+        self.rates = rates
+        self.tensors = [*tensors, *(rates.tensors() if rates is not None else [])]
+        start = time.perf_counter()
+        module = self._trace(step, example, owner)
+        self.draws = draw_buffers(_lift_draws(module.graph))
+        self._fills = [buffer.fill for buffer in self.draws]
+        inductor.read_through_in_place_results(module.graph)
+        output = next(n for n in module.graph.nodes if n.op == "output")
+        results, self._structure = torch.utils._pytree.tree_flatten(output.args[0])
+        returned = [r for r in results if isinstance(r, torch.fx.Node)]
+        parts = inductor.cut(module.graph, inductor.segments(module.graph), returned)
+        self.trace_s = time.perf_counter() - start
+        start = time.perf_counter()
+        self._compile(module, parts, results, example)
+        self.compile_s = time.perf_counter() - start
 
-        self.tensors = tensors
-        before = _tensor_attributes(owner)
+    def _trace(self, step: Callable[[Tensor], dict[str, Tensor]], example: Tensor, owner: Any) -> torch.fx.GraphModule:
+        """The step traced on ``example`` into a checked graph, the state and random streams put back."""
+        from torch.fx.experimental.proxy_tensor import make_fx
 
         def traced(batch: Tensor, *state: Tensor) -> dict[str, Tensor]:
             return step(batch)
 
-        with put_back(tensors):
+        before = _tensor_attributes(owner)
+        with put_back(self.tensors), traced_rates(self.rates):
             try:
-                module = make_fx(traced, decomposition_table=DECOMPOSITIONS, tracing_mode="real")(example, *tensors)
+                module = make_fx(traced, decomposition_table=DECOMPOSITIONS, tracing_mode="real")(
+                    example, *self.tensors
+                )
             except Refused:
                 raise
             except Exception as exc:  # whatever the trace met: one line
@@ -214,24 +493,58 @@ class CompiledStep:
                 setattr(owner, name, before[name])
         if rebound:
             raise Refused(f"the step replaces its tensor {', '.join(rebound)} instead of updating it in place")
-        loose = [k for k, v in self._outputs(module, example).items() if not isinstance(v, Tensor)]
+        loose = [k for k, v in self._outputs(module).items() if not isinstance(v, Tensor)]
         if loose:
             raise Refused(f"the step returns {', '.join(sorted(loose))} as Python numbers")
         _check(module.graph)
-        _drop_profiler_ranges(module.graph)
-        self.draws = _lift_draws(module.graph)
-        module.graph.lint()
-        module.recompile()
-        self.module = module
-        self.compiled = torch.compile(module, fullgraph=True, dynamic=False, options=INDUCTOR)
-        with put_back(tensors), torch.no_grad():
+        return module
+
+    def _compile(
+        self, module: torch.fx.GraphModule, parts: list[inductor.Part], results: list[Any], example: Tensor
+    ) -> None:
+        """Compile each distinct part once and lay out the program a call runs: ``_slots`` (the batch,
+        the state, the draws, the constants, then what parts return), ``_program`` (each part's call,
+        the slots it reads and those it fills) and ``_results`` (the slot or value of each metric)."""
+        graph = module.graph
+        leaves = [n for n in graph.nodes if n.op == "placeholder"]
+        leaves += [n for n in graph.nodes if n.op == "get_attr"]  # tensors the trace met that are no input
+        slots = {node: i for i, node in enumerate(leaves)}
+        for part in parts:
+            slots.update((node, len(slots)) for node in part.outputs)
+        discard = len(slots)  # where a compiled twin's value that this part's readers do not need goes
+        self._slots: list[Any] = [example, *self.tensors, *(view for b in self.draws for view in b.views)]
+        self._slots += [operator.attrgetter(n.target)(module) for n in leaves if n.op == "get_attr"]
+        self._slots += [None] * (discard + 1 - len(self._slots))
+        self._results = [(slots[r], None) if isinstance(r, torch.fx.Node) else (None, r) for r in results]
+        keys = [part.signature() for part in parts]
+        returned: dict[tuple, set[int]] = {}  # a signature -> what its compiled part returns (positions in nodes)
+        for part, key in zip(parts, keys):
+            returned.setdefault(key, set()).update(i for i, n in enumerate(part.nodes) if n in part.outputs)
+        self._program: list[tuple[Callable, list[int], list[int]]] = []
+        compiled: dict[tuple, Callable] = {}
+        with put_back(self.tensors), torch.no_grad():
+            for fill in self._fills:
+                fill()
+            values = dict(zip(leaves, self._slots))
             try:
-                self.compiled(example, *tensors, *[draw() for draw in self.draws])
+                for part, key in zip(parts, keys):
+                    positions = sorted(returned[key])
+                    inputs = [values[node] for node in part.inputs]
+                    if key not in compiled:
+                        alone = part.module(module, positions)
+                        compiled[key] = inductor.compile_part(alone, inputs, inductor_options(alone.graph))
+                    outputs = [part.nodes[i] for i in positions]
+                    # the next parts are compiled for the layouts this compiled part returns
+                    values.update(zip(outputs, compiled[key](list(inputs))))
+                    reads, writes = [slots[n] for n in part.inputs], [slots.get(n, discard) for n in outputs]
+                    self._program.append((compiled[key], reads, writes))
+                self.replay(example)
             except Exception as exc:  # no C++ compiler, an operation inductor cannot lower...
                 raise Refused(f"compiling failed ({type(exc).__name__}: {_first_line(exc)})") from None
+        self.calls, self.compiled_parts = len(self._program), len(compiled)
 
     @staticmethod
-    def _outputs(module: torch.fx.GraphModule, example: Tensor) -> dict[str, Any]:
+    def _outputs(module: torch.fx.GraphModule) -> dict[str, Any]:
         """The metrics the traced step returned (their structure: what a call returns)."""
         output = next(n for n in module.graph.nodes if n.op == "output")
         structure = torch.utils._pytree.tree_unflatten(
@@ -243,10 +556,24 @@ class CompiledStep:
         )
         return structure if isinstance(structure, dict) else {}
 
-    def __call__(self, batch: Tensor) -> dict[str, Tensor]:
-        draws = [draw() for draw in self.draws]
+    def replay(self, batch: Tensor) -> dict[str, Tensor]:
+        """The compiled parts alone on ``batch``, reading the random numbers the draw buffers hold."""
+        slots = self._slots
+        slots[0] = batch
         with torch.no_grad():
-            return self.compiled(batch, *self.tensors, *draws)
+            for call, reads, writes in self._program:
+                for i, value in zip(writes, call([slots[j] for j in reads])):
+                    slots[i] = value
+        return torch.utils._pytree.tree_unflatten(
+            [slots[i] if i is not None else value for i, value in self._results], self._structure
+        )
+
+    def __call__(self, batch: Tensor) -> dict[str, Tensor]:
+        if self.rates is not None:
+            self.rates.write()
+        for fill in self._fills:
+            fill()
+        return self.replay(batch)
 
 
 def _tensor_attributes(owner: Any) -> dict[str, Tensor]:
@@ -264,25 +591,31 @@ def compile_step(state: Any) -> tuple[CompiledStep | None, str, str]:
     the step compiled where the plan says so; with ``compile = "auto"`` a step that cannot be
     compiled is the eager one with a warning line, with ``true`` a ConfigError naming [run] compile.
     Made before the run directory is, so a refusal writes nothing."""
-    import time
-
     from eblvm_core.errors import ConfigError
 
     plan = state.built.plan
     if plan.compile is not None:
         return None, f"compile: eager step: {plan.compile}", f"eager: {plan.compile}"
-    start = time.perf_counter()
+    scheduled = [role.optimizer for role in state.roles.values() if role.scheduled]
     try:
         tensors = state_tensors(state.parts.networks(), state.roles, state.estimator)
-        step = CompiledStep(state.estimator.step, tensors, state.batches.example(), state.estimator)
+        rates = RateTensors(scheduled) if scheduled else None
+        step = CompiledStep(state.estimator.step, tensors, state.batches.example(), state.estimator, rates)
     except Refused as exc:
         if plan.compile_required:
             error = ConfigError("run", "compile", f"true, but the step cannot be compiled: {exc}")
             state.recipe.blame(error)
             raise error from None
         return None, f"warning: compile: eager step: {exc}", f"eager: {exc}"
+    drawn = sum(len(buffer.draws) for buffer in step.draws)
+    graphs = (
+        "one graph"
+        if step.calls == 1
+        else f"{step.calls} calls of {step.compiled_parts} graphs (each repeat of a step compiled once)"
+    )
     line = (
-        f"compile: the training step is traced into one graph and compiled ({time.perf_counter() - start:.1f} s; "
-        f"{len(step.draws)} random draws taken eagerly, in the eager step's order)"
+        f"compile: the training step is traced into {graphs} ({step.trace_s:.1f} s) and compiled "
+        f"({step.compile_s:.1f} s); its {drawn} random draws are taken eagerly in {len(step.draws)} calls, in the "
+        "eager step's order" + ("; the scheduled rates are inputs of the graph" if scheduled else "")
     )
     return step, line, "compiled"

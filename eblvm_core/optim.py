@@ -77,13 +77,18 @@ class RateTensors:
     """
 
     def __init__(self, optimizers: Iterable[torch.optim.Optimizer]):
+        self.optimizers = list(optimizers)
         self.slots: list[tuple[dict, Tensor]] = [
             (group, torch.zeros((), dtype=torch.float32, device=group["params"][0].device))
-            for optimizer in optimizers
+            for optimizer in self.optimizers
             for group in optimizer.param_groups
             if group["params"]
         ]
         self.written: list[float | None] = [None] * len(self.slots)
+
+    def tensors(self) -> list[Tensor]:
+        """The rate tensors, one a param group."""
+        return [tensor for _, tensor in self.slots]
 
     def write(self) -> None:
         """Copy each group's rate into its tensor, in place, where it changed since the last write."""

@@ -164,7 +164,7 @@ def compile_verdict(recipe: Recipe, device: torch.device, world: int, sizes: Cal
     """Why the training step is not compiled, or None (``[run] compile``): a compiled step is a
     graph-safe one (the trace records a step that does the same each time), on a CPU (on a GPU the
     step is replayed from a CUDA graph instead), in one process, at fp32, with the bundled
-    optimizers at constant rates. ``"auto"`` also asks that compiling pay: at least
+    optimizers (a scheduled rate is an input of the graph). ``"auto"`` also asks that compiling pay: at least
     AUTO_COMPILE_STEPS steps, of networks below AUTO_COMPILE_MAX_PARAMETERS trainable parameters
     (larger steps are matrix products, which compiling does not speed up)."""
     run = recipe.run
@@ -181,8 +181,6 @@ def compile_verdict(recipe: Recipe, device: torch.device, world: int, sizes: Cal
     for name, role in recipe.optim.items():
         if role.optimizer.kind not in CAPTURABLE_OPTIMIZERS:
             return f"the optimizer of role '{name}' ({role.optimizer.kind}) is not known to be traceable"
-        if role.schedule.kind != "constant":
-            return f"the learning rate of role '{name}' follows a schedule ({role.schedule.kind}), which is not traced"
     if run.compile is True:
         return None
     if run.steps < AUTO_COMPILE_STEPS:

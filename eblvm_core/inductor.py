@@ -1,0 +1,298 @@
+"""A traced training step (an aten graph over the run's state, the batch and the step's random
+numbers, which changes the state in place) cut into parts and compiled by TorchInductor, each part
+once: the repeats of a step marked ``REPEATED`` (``fit_posterior``'s K real lower-level steps) share
+one compiled part, called once a repeat, so the compile sees each repeat's operations once.
+
+A part is compiled from its own functional graph (``make_fx`` of ``functionalize``, decomposed by
+inductor's table) by ``torch._inductor.compile_to_python``, without dynamo or AOTAutograd: the call
+is inductor's own ``call(args)``, no guards or runtime wrappers. Its intermediate buffers are
+allocated once, with the compiled module, instead of on every call (``preallocated``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+from torch.fx import Graph, GraphModule, Node
+
+from eblvm_core.bilevel import REPEATED
+
+# A run of identical repeats is compiled once and called each time when the repeats after the first
+# hold at least this many graph nodes: below it the second compile (its C++ header above all) costs
+# more than the nodes it saves (docs/benchmarks.md).
+REPEATS_WORTH_CUTTING = 200
+
+RANGE_START = torch.ops.profiler._record_function_enter_new.default
+
+
+def is_profiler_node(node: Node) -> bool:
+    """A profiler range's start or end (``record_function``): it computes nothing."""
+    return node.op == "call_function" and str(node.target).startswith("profiler.")
+
+
+def _starts_repeat(node: Any) -> bool:
+    return isinstance(node, Node) and node.target is RANGE_START and node.args[:1] == (REPEATED,)
+
+
+def segments(graph: Graph) -> list[tuple[bool, list[Node]]]:
+    """The graph's computing nodes in order (its inputs, constants, output and profiler ranges left out),
+    cut where an outermost ``REPEATED`` range starts and ends: a list of (in such a range, nodes)."""
+    cut: list[tuple[bool, list[Node]]] = [(False, [])]
+    depth = 0
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if is_profiler_node(node):
+            if _starts_repeat(node):
+                depth += 1
+                if depth == 1:
+                    cut.append((True, []))
+            elif node.args and _starts_repeat(node.args[0]):
+                depth -= 1
+                if depth == 0:
+                    cut.append((False, []))
+            continue
+        cut[-1][1].append(node)
+    return [(repeated, nodes) for repeated, nodes in cut if nodes]
+
+
+def _written(node: Node) -> list[Node]:
+    """The arguments ``node`` changes in place (an in-place or out= operator's written tensors)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            written += [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, Node)]
+    return written
+
+
+def read_through_in_place_results(graph: Graph) -> None:
+    """Let every reader of an in-place operation's result (``p.sub_(...)`` returns ``p``) read the
+    tensor it changed instead: the same tensor, so the step computes the same, but a part that
+    reads the state then reads it as an input of the step, which it may change in place, not as a
+    value another part returned."""
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or len(schema.returns) != 1:
+            continue
+        returned = schema.returns[0].alias_info
+        if returned is None or not returned.is_write:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.before_set == returned.before_set:
+                changed = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+                if isinstance(changed, Node):
+                    node.replace_all_uses_with(changed)
+                break
+
+
+def recomputable(graph: Graph) -> set[Node]:
+    """The nodes any later part may compute again instead of reading them: views of an input, a
+    constant or a recomputable node (a view sees its base's changes wherever it is taken);
+    and pointwise operations on values no operation of the step changes in place, such as the
+    batch and the random draws (noise added to the batch)."""
+    changed: set[Node] = set()
+    for node in graph.nodes:
+        todo = _written(node)
+        while todo:  # a tensor changed through a view changes its base too
+            value = todo.pop()
+            if value not in changed:
+                changed.add(value)
+                base = value.args[0] if value.args else None
+                if value.op == "call_function" and getattr(value.target, "is_view", False) and isinstance(base, Node):
+                    todo.append(base)
+    leaves = {n for n in graph.nodes if n.op in ("placeholder", "get_attr")}  # a part reads them as inputs
+    found: set[Node] = set()
+    stable = {n for n in leaves if n not in changed}  # values that stay what they are through the step
+    for node in graph.nodes:
+        if node.op != "call_function" or _written(node) or is_profiler_node(node):
+            continue
+        inputs = node.all_input_nodes
+        if getattr(node.target, "is_view", False) and inputs and all(a in found or a in leaves for a in inputs):
+            found.add(node)
+        elif torch.Tag.pointwise in getattr(node.target, "tags", ()) and all(a in stable for a in inputs):
+            found.add(node)
+        else:
+            continue
+        if node not in changed and all(a in stable for a in inputs):
+            stable.add(node)
+    return found
+
+
+@attrs.define
+class Part:
+    """Consecutive nodes of the traced graph computed together: ``graph`` (its own placeholders
+    stand for ``inputs``, the values it reads from the step's inputs and earlier parts; the
+    recomputable ones it reads are computed in it again), ``outputs`` (its nodes that later parts
+    or the step's result read), ``repeated`` (one of a run of identical repeats)."""
+
+    nodes: list[Node]
+    repeated: bool
+    graph: Graph = attrs.field(init=False)
+    inputs: list[Node] = attrs.field(init=False)
+    copies: dict[Node, Node] = attrs.field(init=False)
+    outputs: list[Node] = attrs.Factory(list)
+
+    def extract(self, again: set[Node]) -> None:
+        """Build ``graph``, ``inputs`` and ``copies`` (traced node -> its node in ``graph``)."""
+        members, seen = set(self.nodes), set()
+        inputs: list[Node] = []
+        recomputed: list[Node] = []
+
+        def visit(node: Node) -> None:
+            if node in members or node in seen:
+                return
+            seen.add(node)
+            if node in again:
+                for value in node.all_input_nodes:
+                    visit(value)
+                recomputed.append(node)
+            else:
+                inputs.append(node)
+
+        for node in self.nodes:
+            for value in node.all_input_nodes:
+                visit(value)
+        graph, copies = Graph(), {}
+        for i, node in enumerate(inputs):
+            copies[node] = graph.placeholder(f"input_{i}")
+            copies[node].meta = dict(node.meta)
+        for node in [*recomputed, *self.nodes]:
+            copies[node] = graph.node_copy(node, copies.__getitem__)
+        self.graph, self.inputs, self.copies = graph, inputs, copies
+
+    def signature(self) -> tuple:
+        """What two parts share when one compiled module computes both: every node's operation and
+        arguments (nodes by position) and the inputs' shapes, strides and dtypes."""
+        index: dict[Node, int] = {}
+        rows: list[tuple] = []
+        for i, node in enumerate(self.graph.nodes):
+            index[node] = i
+            value = node.meta.get("val")
+            if node.op == "placeholder":
+                rows.append(
+                    ("input", tuple(value.shape), value.stride(), value.dtype)
+                    if isinstance(value, Tensor)
+                    else ("input",)
+                )
+            else:
+                arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: ("node", index[a]))
+                rows.append((node.op, str(node.target), repr(arguments)))
+        return tuple(rows)
+
+    def module(self, root: torch.nn.Module, positions: Sequence[int]) -> GraphModule:
+        """``graph`` as a module (attributes from ``root``) that returns its copies of the nodes at
+        ``positions`` of ``nodes``."""
+        graph, copies = Graph(), dict[Node, Node]()
+        graph.graph_copy(self.graph, copies)
+        graph.output(tuple(copies[self.copies[self.nodes[i]]] for i in positions))
+        return GraphModule(root, graph)
+
+    def changes_state(self) -> bool:
+        return any(_written(node) for node in self.nodes)
+
+
+def cut(graph: Graph, pieces: list[tuple[bool, list[Node]]], results: Iterable[Node]) -> list[Part]:
+    """The parts the step's ``pieces`` (``segments``) are computed in: each run of identical
+    repeats worth cutting (``REPEATS_WORTH_CUTTING``) a part a repeat, the nodes between them one
+    part; ``results`` are the nodes the step returns. A part whose outputs all are recomputed where
+    they are read, and that changes nothing, is left out."""
+    again = recomputable(graph)
+
+    def parts_of(kept: set[int]) -> list[Part]:
+        parts: list[Part] = []
+        for i, (_, nodes) in enumerate(pieces):
+            if i in kept:
+                parts.append(Part(nodes, True))
+            elif parts and not parts[-1].repeated:
+                parts[-1].nodes.extend(nodes)
+            else:
+                parts.append(Part(list(nodes), False))
+        for part in parts:
+            part.extract(again)
+        return parts
+
+    repeats = [i for i, (repeated, _) in enumerate(pieces) if repeated]
+    trial = parts_of(set(repeats))
+    by_signature: dict[tuple, list[int]] = {}
+    for i, part in zip(repeats, (p for p in trial if p.repeated)):
+        by_signature.setdefault(part.signature(), []).append(i)
+    kept = {
+        i
+        for group in by_signature.values()
+        if len(group) > 1 and (len(group) - 1) * len(pieces[group[0]][1]) >= REPEATS_WORTH_CUTTING
+        for i in group
+    }
+    parts = parts_of(kept)
+    read = {node for part in parts for node in part.inputs} | set(results)
+    for part in parts:
+        part.outputs = [node for node in part.nodes if node in read]
+    return [part for part in parts if part.outputs or part.changes_state()]
+
+
+def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Callable:
+    """``call(inputs: list) -> outputs`` of ``module`` (a part: it changes its inputs in place as the
+    part does) compiled by inductor with config ``options``, from its functional form traced on
+    ``example``; to be called under ``torch.no_grad()``."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    functional = make_fx(
+        torch.func.functionalize(module, remove="mutations"),
+        decomposition_table=select_decomp_table(),
+        tracing_mode="fake",
+        _allow_non_fake_inputs=True,  # the step's constants (a noise distribution's scale, say)
+    )(*example)
+    with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
+        source, _ = torch._inductor.compile_to_python(functional, list(example))
+        return torch._inductor.load_from_python(preallocated(source))
+
+
+_ALLOCATION = re.compile(r"^(\s+)(buf\d+) = (empty_strided_cpu\(.*\))$")
+
+
+def preallocated(source: str) -> str:
+    """Inductor's module ``source`` with each intermediate buffer of ``call`` allocated once, when
+    the module loads, instead of on every call: a small step's few hundred allocations cost more
+    than its arithmetic. Buffers that ``call`` returns, or that reach its result through a reuse or
+    a view, stay allocated per call, so results never share memory across calls. Calls must not
+    overlap (a training step's do not). Source of another shape is returned as it is."""
+    head, sep, body = source.partition("    def call(self, args):\n")
+    if not sep or "class Runner" not in head:
+        return source
+    lines = body.split("\n")
+    end = next((i for i, line in enumerate(lines) if line.startswith("        return ")), None)
+    if end is None:
+        return source
+    escaping = set(re.findall(r"\bbuf\d+\b", lines[end]))
+    sources: dict[str, set[str]] = {}
+    for line in lines[:end]:
+        if (match := re.match(r"\s+(buf\d+) = (.*)$", line)) is not None:
+            sources.setdefault(match.group(1), set()).update(re.findall(r"\bbuf\d+\b", match.group(2)))
+    todo = list(escaping)
+    while todo:
+        for name in sources.get(todo.pop(), ()):
+            if name not in escaping:
+                escaping.add(name)
+                todo.append(name)
+    allocated = [m.group(2) for line in lines[:end] if (m := _ALLOCATION.match(line))]
+    if len(allocated) != len(set(allocated)):
+        return source  # a name allocated twice: leave the module as it is
+    once = set(allocated) - escaping
+    kept, rewritten = [], []
+    for line in lines[:end]:
+        match = _ALLOCATION.match(line)
+        if match is not None and match.group(2) in once:
+            kept.append(f"_kept_{match.group(2)} = {match.group(3)}")
+            line = f"{match.group(1)}{match.group(2)} = _kept_{match.group(2)}"
+        rewritten.append(line)
+    runner = head.rindex("class Runner")
+    return head[:runner] + "\n".join(kept) + "\n\n\n" + head[runner:] + sep + "\n".join(rewritten + lines[end:])

@@ -1,0 +1,180 @@
+"""Cutting a traced step into parts (``eblvm_core.inductor``): where the cuts fall, what a part reads
+and returns, what it may compute again, and preallocated buffers that never alias a result; a cut,
+compiled step takes the step the eager code takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from eblvm_core import inductor
+from eblvm_core.bilevel import REPEATED
+from eblvm_core.compiled import CompiledStep, _lift_draws
+
+K = 4
+
+
+def make_step(w: torch.Tensor, v: torch.Tensor, repeats: int = K):
+    """A step with ``repeats`` identical in-place updates of w (each in a REPEATED range) between a
+    prologue that adds noise to the batch and a final update of v; returns its metrics."""
+
+    def step(batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = batch + 0.1 * torch.randn_like(batch)
+        loss = None
+        for _ in range(repeats):
+            with torch.profiler.record_function(REPEATED):
+                loss = ((x @ w).tanh() ** 2).mean()
+                w.sub_(0.05 * (w - loss))
+        final = (x @ w * v).sum()
+        v.mul_(0.9).add_(final.sin())
+        return {"loss": loss, "final": final}
+
+    return step
+
+
+def traced(repeats: int = K):
+    torch.manual_seed(0)
+    w, v, batch = torch.randn(3, 5), torch.randn(5), torch.randn(8, 3)
+    module = make_fx(lambda b, *state: make_step(w, v, repeats)(b), tracing_mode="real")(batch, w, v)
+    _lift_draws(module.graph)  # the noise becomes an input, as CompiledStep makes it
+    inductor.read_through_in_place_results(module.graph)
+    return module
+
+
+def results(module):
+    output = next(n for n in module.graph.nodes if n.op == "output")
+    return [n for n in torch.utils._pytree.tree_leaves(output.args[0]) if isinstance(n, torch.fx.Node)]
+
+
+def test_segments_fall_where_the_repeated_ranges_start_and_end():
+    module = traced()
+    pieces = inductor.segments(module.graph)
+    assert [repeated for repeated, _ in pieces] == [False, *[True] * K, False]
+    sizes = {len(nodes) for repeated, nodes in pieces if repeated}
+    assert len(sizes) == 1, "the repeats hold the same operations"
+    assert not any(inductor.is_profiler_node(n) for _, nodes in pieces for n in nodes)
+
+
+def test_identical_repeats_share_a_signature_and_each_part_returns_what_later_parts_read(monkeypatch):
+    monkeypatch.setattr(inductor, "REPEATS_WORTH_CUTTING", 1)
+    module = traced()
+    parts = inductor.cut(module.graph, inductor.segments(module.graph), results(module))
+    # the prologue (noise added to the batch: pointwise on inputs no step changes) is computed again
+    # where it is read, so it is no part of its own
+    assert [p.repeated for p in parts] == [True] * K + [False]
+    assert len({p.signature() for p in parts[:K]}) == 1
+    assert parts[0].signature() != parts[-1].signature()
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    for part in parts[:K]:
+        # each repeat reads the state itself (w, changed in place), never a value another part returned
+        assert set(part.inputs) <= set(placeholders), part.inputs
+    read_later = {n for p in parts for n in p.inputs} | set(results(module))
+    for part in parts:
+        assert set(part.outputs) == {n for n in part.nodes if n in read_later}
+    assert parts[-2].outputs and not parts[0].outputs, "only the last repeat's loss is read (a metric)"
+
+
+def test_a_small_run_of_repeats_is_not_cut():
+    module = traced(repeats=2)
+    parts = inductor.cut(module.graph, inductor.segments(module.graph), results(module))
+    assert len(parts) == 1 and not parts[0].repeated
+
+
+def test_what_may_be_computed_again():
+    torch.manual_seed(0)
+    w, batch = torch.randn(3), torch.randn(3)
+
+    def step(b, *state):
+        noisy = b * 2 + 1  # pointwise on the batch: recomputable
+        seen = w.t()  # a view of the state: recomputable (it sees w's changes wherever it is taken)
+        doubled = w * 2  # pointwise on w, which the step changes: not
+        w.add_(noisy)
+        total = (seen * doubled).sum()  # a reduction: not
+        return {"total": total}
+
+    graph = make_fx(step, tracing_mode="real")(batch, w).graph
+    b, w_input = [n for n in graph.nodes if n.op == "placeholder"]
+    aten = torch.ops.aten
+    again = inductor.recomputable(graph)
+    by_input = {(n.target, n.args[0]): n for n in graph.nodes if n.op == "call_function"}
+    assert by_input[aten.mul.Tensor, b] in again and by_input[aten.t.default, w_input] in again
+    assert by_input[aten.mul.Tensor, w_input] not in again
+    assert not any(n.target is aten.sum.default for n in again)
+
+
+SOURCE = """import torch
+def empty_strided_cpu(size, stride, dtype):
+    return torch.empty_strided(size, stride, dtype=dtype)
+
+
+class Runner:
+    def __init__(self, partitions):
+        self.partitions = partitions
+
+    def call(self, args):
+        arg0_1, = args
+        args.clear()
+        buf0 = empty_strided_cpu((3, ), (1, ), torch.float32)
+        buf1 = empty_strided_cpu((3, ), (1, ), torch.float32)
+        buf2 = empty_strided_cpu((3, ), (1, ), torch.float32)
+        buf0.copy_(arg0_1 * 2)
+        buf1.copy_(buf0 + 1)
+        buf3 = buf1; del buf1  # reuse
+        buf2.copy_(buf3 * 3)
+        buf4 = buf2.view(3)
+        return (buf3, buf4, )
+
+
+runner = Runner(partitions=[])
+call = runner.call
+"""
+
+
+def run_source(source: str) -> dict:
+    namespace: dict = {}
+    exec(compile(source, "<test>", "exec"), namespace)
+    return namespace
+
+
+def test_preallocation_keeps_only_the_buffers_no_result_reaches():
+    source = inductor.preallocated(SOURCE)
+    assert "_kept_buf0 = empty_strided_cpu" in source
+    # buf1 becomes a result through a reuse, buf2 through a view: both stay per call
+    assert "_kept_buf1" not in source and "_kept_buf2" not in source
+    original, kept = run_source(SOURCE), run_source(source)
+    x = torch.tensor([1.0, 2.0, 3.0])
+    first = kept["call"]([x])
+    held = [t.clone() for t in first]
+    second = kept["call"]([x * 10])
+    for a, b in zip(first, held):
+        assert torch.equal(a, b), "a later call changed an earlier call's result"
+    for a, b in zip(second, original["call"]([x * 10])):
+        assert torch.equal(a, b)
+    assert kept["_kept_buf0"] is not None
+
+
+def test_preallocation_leaves_source_of_another_shape_alone():
+    assert inductor.preallocated("def call(args):\n    return ()\n") == "def call(args):\n    return ()\n"
+
+
+@pytest.mark.slow
+def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch):
+    """Compiled with its repeats cut into one part called K times, three steps take the eager steps
+    (to float rounding) and consume the random stream as they do; the metrics of a step stay what
+    they were after later steps (no preallocated buffer reaches a result)."""
+    monkeypatch.setattr(inductor, "REPEATS_WORTH_CUTTING", 1)
+    torch.manual_seed(0)
+    w, v = torch.randn(3, 5), torch.randn(5)
+    batches = [torch.randn(8, 3) for _ in range(3)]
+    compiled = CompiledStep(make_step(w, v), [w, v], batches[0])
+    assert (compiled.calls, compiled.compiled_parts) == (K + 1, 2)
+    start, rng = [w.clone(), v.clone()], torch.get_rng_state()
+    eager = [{k: t.clone() for k, t in make_step(w, v)(b).items()} for b in batches]
+    after, eager_rng = [w.clone(), v.clone()], torch.get_rng_state()
+    w.copy_(start[0]), v.copy_(start[1]), torch.set_rng_state(rng)
+    got = [compiled(b) for b in batches]
+    assert torch.equal(torch.get_rng_state(), eager_rng)
+    torch.testing.assert_close([w, v], after, rtol=1e-5, atol=1e-6)
+    for mine, theirs in zip(got, eager):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
