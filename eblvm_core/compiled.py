@@ -526,21 +526,35 @@ class CompiledStep:
             for fill in self._fills:
                 fill()
             values = dict(zip(leaves, self._slots))
+            alone: dict[tuple, tuple[torch.fx.GraphModule, list[Tensor]]] = {}  # each distinct part, on its example
+            for part, key in zip(parts, keys):
+                positions = sorted(returned[key])
+                module_of_part = part.module(module, positions)
+                inputs = [values[node] for node in part.inputs]
+                alone.setdefault(key, (module_of_part, inputs))
+                values.update(zip((part.nodes[i] for i in positions), module_of_part(*inputs)))
+            largest = max(alone, key=lambda k: len(alone[k][0].graph.nodes))
+            apart = inductor.compile_apart(
+                [(m, inputs, inductor_options(m.graph)) for k, (m, inputs) in alone.items() if k != largest]
+            )
             try:
+                for key in [largest, *(k for k in alone if k != largest)]:
+                    if apart is not None and key != largest:
+                        apart.wait()
+                        apart = None
+                    module_of_part, inputs = alone[key]
+                    compiled[key] = inductor.compile_part(
+                        module_of_part, inputs, inductor_options(module_of_part.graph)
+                    )
                 for part, key in zip(parts, keys):
-                    positions = sorted(returned[key])
-                    inputs = [values[node] for node in part.inputs]
-                    if key not in compiled:
-                        alone = part.module(module, positions)
-                        compiled[key] = inductor.compile_part(alone, inputs, inductor_options(alone.graph))
-                    outputs = [part.nodes[i] for i in positions]
-                    # the next parts are compiled for the layouts this compiled part returns
-                    values.update(zip(outputs, compiled[key](list(inputs))))
-                    reads, writes = [slots[n] for n in part.inputs], [slots.get(n, discard) for n in outputs]
-                    self._program.append((compiled[key], reads, writes))
+                    writes = [slots.get(part.nodes[i], discard) for i in sorted(returned[key])]
+                    self._program.append((compiled[key], [slots[n] for n in part.inputs], writes))
                 self.replay(example)
             except Exception as exc:  # no C++ compiler, an operation inductor cannot lower...
                 raise Refused(f"compiling failed ({type(exc).__name__}: {_first_line(exc)})") from None
+            finally:
+                if apart is not None:
+                    apart.wait()
         self.calls, self.compiled_parts = len(self._program), len(compiled)
 
     @staticmethod

@@ -6,12 +6,20 @@ one compiled part, called once a repeat, so the compile sees each repeat's opera
 A part is compiled from its own functional graph (``make_fx`` of ``functionalize``, decomposed by
 inductor's table) by ``torch._inductor.compile_to_python``, without dynamo or AOTAutograd: the call
 is inductor's own ``call(args)``, no guards or runtime wrappers. Its intermediate buffers are
-allocated once, with the compiled module, instead of on every call (``preallocated``).
+allocated once, with the compiled module, instead of on every call (``preallocated``). Where a step
+has several parts and the machine a second core, the smaller parts are compiled in a process of
+their own (``compile_apart``, run as ``python -m eblvm_core.inductor``) while this one compiles the
+largest, and found in inductor's cache afterwards.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -256,6 +264,53 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
         return torch._inductor.load_from_python(preallocated(source))
 
 
+class Apart:
+    """Parts compiled by another process (``python -m eblvm_core.inductor FILE``) into inductor's
+    cache, while this one works; ``wait()`` before compiling them here, where they are then read
+    from the cache."""
+
+    def __init__(self, jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]):
+        self.folder = tempfile.mkdtemp(prefix="eblvm-compile-")
+        payload = os.path.join(self.folder, "parts.pt")
+        torch.save({"jobs": jobs, "threads": torch.get_num_threads()}, payload)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "eblvm_core.inductor", payload],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def wait(self, timeout: float = 300.0) -> None:
+        """Until the other process ends (stopped after ``timeout`` seconds: this one then compiles
+        what it did not)."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def compile_apart(jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]) -> Apart | None:
+    """``compile_part`` of each (module, example, options) of ``jobs`` started in another process,
+    or None where there is nothing to start or no idle core to run it on (the last minute's load
+    leaves less than one of the machine's cores free, as when tests run on every core)."""
+    if not jobs or (os.cpu_count() or 1) - os.getloadavg()[0] < 1:
+        return None
+    return Apart(jobs)
+
+
+def _compile_jobs(payload: str) -> None:
+    """The other process of ``compile_apart``: compile each part of the file ``payload`` (written by
+    this module a moment ago, in a folder of its own) with the threads the parent runs with, which
+    decide what inductor writes."""
+    saved = torch.load(payload, weights_only=False)  # a GraphModule: this program's own file, not a user's
+    torch.set_num_threads(saved["threads"])
+    with torch.no_grad():
+        for module, example, options in saved["jobs"]:
+            compile_part(module, example, options)
+
+
 _ALLOCATION = re.compile(r"^(\s+)(buf\d+) = (empty_strided_cpu\(.*\))$")
 
 
@@ -296,3 +351,7 @@ def preallocated(source: str) -> str:
         rewritten.append(line)
     runner = head.rindex("class Runner")
     return head[:runner] + "\n".join(kept) + "\n\n\n" + head[runner:] + sep + "\n".join(rewritten + lines[end:])
+
+
+if __name__ == "__main__":
+    _compile_jobs(sys.argv[1])

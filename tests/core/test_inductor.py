@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from eblvm_core import inductor
@@ -159,16 +160,28 @@ def test_preallocation_leaves_source_of_another_shape_alone():
 
 
 @pytest.mark.slow
-def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch):
+@pytest.mark.parametrize("apart", [False, True], ids=["one process", "the repeat compiled by another"])
+def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
     """Compiled with its repeats cut into one part called K times, three steps take the eager steps
     (to float rounding) and consume the random stream as they do; the metrics of a step stay what
-    they were after later steps (no preallocated buffer reaches a result)."""
+    they were after later steps (no preallocated buffer reaches a result). With a core free, the
+    other process compiles the repeat into the cache, where this one finds it."""
     monkeypatch.setattr(inductor, "REPEATS_WORTH_CUTTING", 1)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the other process compiles into it
+    monkeypatch.setattr(inductor.os, "getloadavg", lambda: (0.0 if apart else 64.0,) * 3)
+    started: list[inductor.Apart] = []
+    start_apart = inductor.compile_apart
+    monkeypatch.setattr(
+        inductor, "compile_apart", lambda jobs: started.append(a) or a if (a := start_apart(jobs)) else None
+    )
     torch.manual_seed(0)
     w, v = torch.randn(3, 5), torch.randn(5)
     batches = [torch.randn(8, 3) for _ in range(3)]
+    counters["inductor"].clear()
     compiled = CompiledStep(make_step(w, v), [w, v], batches[0])
     assert (compiled.calls, compiled.compiled_parts) == (K + 1, 2)
+    assert [a.process.returncode for a in started] == ([0] if apart else [])
+    assert counters["inductor"]["fxgraph_cache_hit"] == (1 if apart else 0), "the repeat read from the cache"
     start, rng = [w.clone(), v.clone()], torch.get_rng_state()
     eager = [{k: t.clone() for k, t in make_step(w, v)(b).items()} for b in batches]
     after, eager_rng = [w.clone(), v.clone()], torch.get_rng_state()
