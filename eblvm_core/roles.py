@@ -88,12 +88,18 @@ class TrainingRole:
                 p.grad = g if g is not None else torch.zeros_like(p)
         elif scaler is not None:
             raise ValueError("under fp16 a role's update needs the loss, to scale it")
-        with_grad = [p for p in params if p.grad is not None]
-        for p in with_grad:  # fused Adam needs each gradient in its parameter's memory format (channels-last convs)
-            if p.grad.stride() != p.stride():
-                p.grad = torch.empty_like(p).copy_(p.grad)
+        with_grad: list[Tensor] = []
+        given: list[Tensor] = []  # the gradients of ``with_grad``, in order
+        for p in params:  # fused Adam needs each gradient in its parameter's memory format (channels-last convs)
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.stride() != p.stride():
+                grad = p.grad = torch.empty_like(p).copy_(grad)
+            with_grad.append(p)
+            given.append(grad)
         if distributed.active():
-            distributed.average_gradients([p.grad for p in with_grad])
+            distributed.average_gradients(given)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         if not with_grad:
@@ -101,7 +107,7 @@ class TrainingRole:
         elif self.max_grad_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(with_grad, self.max_grad_norm).detach()
         else:
-            norm = total_norm([p.grad for p in with_grad])
+            norm = total_norm(given)
         self._count_grad_norm(norm)
         if scaler is not None:
             scaler.step(self.optimizer)
@@ -133,8 +139,7 @@ class TrainingRole:
                         if isinstance(value, Tensor):
                             value.zero_()
         if self._norms is None and params:
-            self._count_grad_norm(torch.zeros((), device=params[0].device))
-            self._norms[0].zero_()
+            self._grad_norm_stats(params[0].device)
 
     def state_tensors(self) -> list[Tensor]:
         """The tensors an update changes besides the parameters: the optimizer's state and the
@@ -145,13 +150,19 @@ class TrainingRole:
             found += [stats, *views, one]
         return found
 
+    def _grad_norm_stats(self, device: torch.device) -> tuple[Tensor, list[Tensor], Tensor]:
+        """The gradient-norm statistics on ``device``: (sum and count, their views, 1), made once
+        (zero) and made again (zero) only where they live on another device."""
+        norms = self._norms
+        if norms is None or norms[0].device != device:
+            stats = torch.zeros(2, device=device)
+            norms = self._norms = (stats, list(stats.unbind()), torch.ones((), device=device))
+        return norms
+
     def _count_grad_norm(self, norm: Tensor) -> None:
         """Add ``norm`` (0-d) and 1 to the running (sum, count), in one in-place operation on
         views made once, on the norm's device."""
-        if self._norms is None or self._norms[0].device != norm.device:
-            stats = torch.zeros(2, device=norm.device)
-            self._norms = (stats, list(stats.unbind()), torch.ones((), device=norm.device))
-        stats, views, one = self._norms
+        stats, views, one = self._grad_norm_stats(norm.device)
         torch._foreach_add_(views, [norm if norm.dtype == stats.dtype else norm.to(stats.dtype), one])
 
     def take_mean_grad_norm(self) -> float | None:
@@ -196,7 +207,7 @@ class TrainingRole:
     @torch.no_grad()
     def update_average(self) -> None:
         """average ← average + (1 − ema)·(parameters − average), after each step."""
-        if self.average is not None:
+        if self.average is not None and self.ema is not None:  # an average exists only with an EMA
             torch._foreach_lerp_(self.average, self.params, 1.0 - self.ema)
 
     @contextlib.contextmanager
@@ -245,8 +256,7 @@ class TrainingRole:
             self.scaler.load_state_dict(state["scaler"])
         if "grad_norms" in state:
             stats = state["grad_norms"]
-            self._count_grad_norm(torch.zeros((), dtype=stats.dtype, device=stats.device))
-            self._norms[0].copy_(stats)
+            self._grad_norm_stats(stats.device)[0].copy_(stats)
 
 
 @contextlib.contextmanager

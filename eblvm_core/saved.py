@@ -168,7 +168,7 @@ def load_run(
     run_dir: str | Path,
     checkpoint: str = "last",
     device: str | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     seed: int = 0,
     evals: list[dict[str, Any]] | None = None,
     echo: Callable[[str], None] = _stderr,
@@ -260,8 +260,8 @@ def pick_sampler(run: LoadedRun, name: str | None = None) -> tuple[Sampler, str]
     if sampler_section is not None and name in (None, sampler_section.kind):
         return run.parts.sampler, f"{sampler_section.kind} ([sampler])"
     for i, section in enumerate(run.recipe.evals):
-        options = attrs.asdict(section.config, recurse=False)  # an evaluator that samples has these two options
-        chosen, options = options.get("sampler"), options.get("sampler_options")
+        fields = attrs.asdict(section.config, recurse=False)  # an evaluator that samples has these two options
+        chosen, options = fields.get("sampler"), fields.get("sampler_options")
         if isinstance(chosen, str) and isinstance(options, dict) and name in (None, chosen):
             sampler = _sampler(registry, chosen, options, f"eval.{i}", run)
             return sampler, f"{chosen} ([eval.{i}] {section.kind})"
@@ -296,8 +296,11 @@ def samples_image(samples: Tensor, data: DataSplits | None, scale: int | None = 
     n = len(samples)
     flat = samples.reshape(n, -1).detach().float().cpu()
     if flat.shape[1] == 2:
-        return render(scatter(flat, None if data is None else data.bounds))
-    shape = data.image_shape if data is not None else None
+        if data is None or data.bounds is None:
+            return render(scatter(flat))
+        x_bounds, y_bounds = data.bounds  # one (low, high) per dimension: two
+        return render(scatter(flat, (x_bounds, y_bounds)))
+    shape: tuple[int, ...] | None = data.image_shape if data is not None else None
     if shape is None and data is not None and len(data.shape) >= 2:
         shape = data.shape
     if shape is None:

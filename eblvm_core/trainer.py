@@ -11,6 +11,7 @@ alone writing and evaluating."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -110,13 +111,13 @@ class Trainer:
                         self._check_and_log(not due.check, True, last=True)
                 if due.save or due.keep or stop is not None:
                     with progress.pause():
-                        state.save(self.records.run_dir, last=due.save or stop is not None, keep=due.keep)
+                        state.save(self._run_dir(), last=due.save or stop is not None, keep=due.keep)
                 if stop is not None:
                     self._stop(stop)
                     return results
                 self._stop_if_asked(sync=due.log or due.save, saved=due.save)
         results = self.evaluation()
-        state.save(self.records.run_dir)  # last.pt also holds what the final evaluation did: its step, the selection
+        state.save(self._run_dir())  # last.pt also holds what the final evaluation did: its step, the selection
         return results
 
     def step(self) -> dict[str, Any]:
@@ -194,10 +195,18 @@ class Trainer:
             stop = sync and distributed.any_rank(stop)
         if not stop:
             return
+        run_dir = self._run_dir()
         if not saved:
-            state.save(self.records.run_dir)
+            state.save(run_dir)
         raise Interrupted(
             f"{self.stop_signal or 'a signal on another rank'} at step {state.step}/{self.recipe.run.steps}: "
-            f"checkpoint {ckpt.last_checkpoint(self.records.run_dir)} written; "
-            f"resume with: {resume_command(self.records.run_dir, state.world)}"
+            f"checkpoint {ckpt.last_checkpoint(run_dir)} written; "
+            f"resume with: {resume_command(run_dir, state.world)}"
         )
+
+    def _run_dir(self) -> Path:
+        """The run directory checkpoints go to: ``fit`` writes them, so it needs records with one
+        (``step`` alone does not)."""
+        if self.records.run_dir is None:
+            raise ValueError("Trainer.fit writes checkpoints: give it Records with a run directory")
+        return self.records.run_dir

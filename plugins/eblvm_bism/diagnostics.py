@@ -37,13 +37,10 @@ class GradientBias(Evaluator):
     ``_stderr`` (√(tr Cov / repeats): what that norm would be from Monte-Carlo noise alone, so a
     bias within about two of them is not resolved) and ``reference_norm`` (‖exact gradient‖)."""
 
-    @property
-    def reports(self) -> tuple[str, ...]:
-        keys = [f"bias_K{k}_N{n}" for k in self.cfg.inner_steps for n in self.cfg.unroll_steps]
-        return ("reference_norm", *keys, *(f"{key}_stderr" for key in keys))
-
     def __init__(self, cfg: GradientBiasConfig, parts: Parts):
         self.cfg = cfg
+        keys = [f"bias_K{k}_N{n}" for k in cfg.inner_steps for n in cfg.unroll_steps]
+        self.reports = ("reference_norm", *keys, *(f"{key}_stderr" for key in keys))
         model = parts.need("model", "eval")
         for name in ("posterior", "objective", "divergence"):
             parts.need(name, "eval")
@@ -74,12 +71,12 @@ class GradientBias(Evaluator):
             estimator.fit_posterior(x, weights=parts.objective.point_weights(context))
             for n in cfg.unroll_steps:
                 estimator.unroll_steps = n
-                draws = []
+                drawn = []
                 for r in range(cfg.n_repeats):
                     torch.manual_seed(cfg.seed + 1 + r)
                     grads, _ = estimator.hypergradient(x, context)
-                    draws.append(torch.cat([g.flatten() for g in grads]))
-                draws = torch.stack(draws)  # (repeats, parameters)
+                    drawn.append(torch.cat([g.flatten() for g in grads]))
+                draws = torch.stack(drawn)  # (repeats, parameters)
                 scalars[f"bias_K{k}_N{n}"] = float((draws.mean(0) - reference).norm())
                 # the size the difference has from Monte-Carlo noise alone: E‖mean − E g‖² = tr Cov(g) / repeats
                 noise = draws.var(0).sum() / cfg.n_repeats if cfg.n_repeats > 1 else torch.tensor(float("nan"))

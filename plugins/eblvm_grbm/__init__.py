@@ -1,9 +1,8 @@
 """GRBM plugin: the Gaussian RBM model, its samplers, likelihood evaluators and baselines."""
 
 import functools
-from collections.abc import Callable
 
-from eblvm.plugin import EvalResult, Parts, hookimpl
+from eblvm.plugin import Evaluator, Parts, hookimpl
 from eblvm_grbm.ais import AISLoglikConfig, build_ais_loglik
 from eblvm_grbm.contrastive import CDConfig, PCDConfig, build_cd, build_pcd
 from eblvm_grbm.evaluators import ExactLoglikConfig, PosteriorKLConfig, build_exact_loglik, build_posterior_kl
@@ -20,7 +19,7 @@ def register_models(register):
 
 
 @functools.wraps(build_ais_loglik)
-def build_announced_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+def build_announced_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Evaluator:
     # AIS can take minutes: the trainer and `eblvm eval` print this line before it starts.
     evaluate = build_ais_loglik(cfg, parts)
     evaluate.announce = (

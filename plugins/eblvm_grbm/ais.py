@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from eblvm.plugin import ConfigError, EvalResult, Parts, non_negative, option, positive, reporting
+from eblvm.plugin import ConfigError, EvalResult, Evaluator, Parts, non_negative, option, positive, reporting
 from eblvm.tools import Chains, Potential, hmc_step, mala_step
 from eblvm_grbm.gibbs import gibbs_chain, require_grbm
 from eblvm_grbm.model import GRBM
@@ -251,7 +251,7 @@ def transition(cfg: AISLoglikConfig) -> Move:
     return gradient_move(cfg.transitions, cfg.step_scale, cfg.leapfrog_steps)
 
 
-def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Callable[[Parts], EvalResult]:
+def build_ais_loglik(cfg: AISLoglikConfig, parts: Parts) -> Evaluator:
     """Mean log p(v), log Z by forward AIS from a base-rate model (Gibbs, MALA or HMC transitions), checked by reverse AIS; warns on a gap or low ESS."""
     require_grbm(parts.need("model", ""), "", "ais-loglik")
     data = parts.need("data", "")

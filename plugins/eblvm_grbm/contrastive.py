@@ -41,7 +41,7 @@ class ContrastiveDivergence(Estimator):
         """Model samples (B, d) paired with the batch."""
         return gibbs_chain(self.model, batch, self.k)
 
-    def step(self, batch: Tensor) -> dict[str, float]:
+    def step(self, batch: Tensor) -> dict[str, Tensor]:
         batch = batch.reshape(len(batch), -1)
         samples = self.negatives(batch)
         loss = contrastive_loss(self.model, batch, samples)

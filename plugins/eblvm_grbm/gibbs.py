@@ -57,6 +57,8 @@ def initial_states(
     training data's per-dimension mean and std (``noise``; N(0, I) when there is no data)."""
     d = like.shape[0]
     if init == "data":
+        if data is None:
+            raise ValueError("initial states from the data ('data') need the data splits")
         idx = torch.randint(data.size("train"), (n,), generator=generator, device=like.device)
         return data.tensor("train").reshape(data.size("train"), -1)[idx].to(like)
     noise = torch.randn(n, d, generator=generator, dtype=like.dtype, device=like.device)

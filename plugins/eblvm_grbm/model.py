@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, cast
 
 import attrs
 import torch
@@ -71,16 +71,17 @@ class GRBM(EnergyModel):
     # attributes (nn.Module.__getattr__, a Python call each) and skip flatten(1) when v is (B, d)
     # already (where it returns v itself): an unrolled BiSM step evaluates the energy a dozen times
     # on a tiny model, where such calls cost more than the arithmetic. Image-shaped v is still
-    # flattened in each method, so its gradient is accumulated as before, to the bit.
+    # flattened in each method, so its gradient is accumulated as before, to the bit. Every entry of
+    # a GRBM's ``_parameters`` is set (none is None): ``cast`` says so to the type checker alone.
 
     def coupling_weight(self) -> Tensor:
         """U (d, m): W/σ when scaled, W when plain."""
-        p = self._parameters
+        p = cast("dict[str, Tensor]", self._parameters)
         return p["W"] * torch.exp(-p["log_sigma"]) if self.coupling == "scaled" else p["W"]
 
     def visible_quadratic(self, v: Tensor) -> Tensor:
         """‖v − b‖²/(2σ²): v (B, ...) -> (B,)."""
-        p = self._parameters
+        p = cast("dict[str, Tensor]", self._parameters)
         v = v if v.dim() == 2 else v.flatten(1)
         return 0.5 * ((v - p["b"]) ** 2).sum(-1) * torch.exp(-2 * p["log_sigma"])
 
@@ -91,7 +92,7 @@ class GRBM(EnergyModel):
     def hidden_logits(self, v: Tensor) -> Tensor:
         """Logits c + Uᵀv of p(h_j = 1 | v): v (B, ...) -> (B, m)."""
         v = v if v.dim() == 2 else v.flatten(1)
-        return self._parameters["c"] + v @ self.coupling_weight()
+        return cast("dict[str, Tensor]", self._parameters)["c"] + v @ self.coupling_weight()
 
     def free_energy(self, v: Tensor) -> Tensor:
         """F(v) = ‖v − b‖²/(2σ²) − Σ_j softplus(c_j + (Uᵀv)_j): v (B, ...) -> (B,)."""
@@ -127,7 +128,7 @@ class GRBM(EnergyModel):
             raise ValueError(f"exact log Z enumerates 2^{m} hidden states; m={m} exceeds the limit {limit}")
         n, chunk = 2**m, default_chunk(d, m) if chunk is None else chunk
         u = self.coupling_weight()
-        log_z = None
+        log_z: Tensor | None = None
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             hs = binary_states(start, stop, m, u)  # (stop − start, m)
@@ -137,6 +138,8 @@ class GRBM(EnergyModel):
             log_z = part if log_z is None else torch.logaddexp(log_z, part)
             if progress is not None:
                 progress(stop, n)
+        if log_z is None:  # no chunk: ``chunk`` was not positive
+            raise ValueError(f"log_partition: chunk must be positive, got {chunk}")
         return log_z.to(u.dtype) + 0.5 * d * torch.log(2 * math.pi * self.sigma**2)
 
     def log_likelihood(self, v: Tensor, max_hidden: int = 20) -> Tensor:

@@ -164,7 +164,7 @@ class VariationalScore(Estimator):
 
     def fit_posterior(
         self, x: Tensor, energy: EnergyModel | Conditioned | None = None, weights: Tensor | None = None
-    ) -> dict[str, float]:
+    ) -> dict[str, Tensor]:
         """K updates of φ on the lower-level divergence at the points x (weighted by ``weights``
         (B,), the objective's ``point_weights``); θ gets no gradient. ``energy``: the model or its
         conditioned energy at x (default the model)."""
