@@ -166,3 +166,17 @@ def test_matplotlib_is_imported_only_to_draw():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=None)
     assert result.returncode == 0, result.stderr
+
+
+def test_render_refuses_a_figure_without_an_agg_canvas():
+    """A matplotlib Figure made elsewhere (here on matplotlib's base canvas) cannot be rendered to
+    pixels: the error names its canvas and says which ``figure()`` makes."""
+    from matplotlib.figure import Figure
+
+    from eblvm_core.plot import figure, render
+
+    with pytest.raises(
+        TypeError, match=r"^a figure made by eblvm's figure\(\) draws on an Agg canvas, not FigureCanvasBase$"
+    ):
+        render(Figure())
+    assert render(figure(30, 20)).shape == (3, 20, 30)

@@ -249,3 +249,105 @@ def test_validate_checks_optimizer_roles(cli, write_recipe, old, new, fragments)
     assert result.exit_code == 2 and len(lines) == 1 and str(path) in lines[0], result.output
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
+
+
+# ---- TrainingRole on its own: the update, the gradient statistics and their checkpoint ------------
+
+
+def test_an_update_on_given_gradients_steps_only_the_parameters_that_have_one():
+    """``update()`` with no loss takes the gradients in ``.grad``: a parameter without one is not
+    stepped; the norm returned and counted is that of the gradients given."""
+    from eblvm_core.roles import TrainingRole
+
+    a, b = torch.nn.Parameter(torch.tensor([1.0, 2.0])), torch.nn.Parameter(torch.tensor([3.0]))
+    role = TrainingRole("model", torch.optim.SGD([a, b], lr=0.5))
+    a.grad = torch.tensor([3.0, 4.0])
+    norm = role.update()
+    assert float(norm) == 5.0 and norm.dim() == 0
+    assert a.tolist() == [-0.5, 0.0] and b.tolist() == [3.0] and b.grad is None
+    assert role.take_mean_grad_norm() == 5.0
+
+
+def test_an_update_without_any_gradient_counts_a_zero_norm_and_steps_nothing():
+    from eblvm_core.roles import TrainingRole
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+    role = TrainingRole("model", torch.optim.SGD([p], lr=0.5, momentum=0.9))
+    norm = role.update()
+    assert float(norm) == 0.0 and p.tolist() == [1.0, -1.0] and not role.optimizer.state
+    assert role.take_mean_grad_norm() == 0.0  # one update, of norm 0
+
+
+def test_a_gradient_in_another_memory_layout_is_stepped_in_the_parameters():
+    """A channels-last gradient of a contiguous convolution weight is copied into the weight's
+    layout before the step (fused Adam needs it), with the same values: the step of the same gradient."""
+    from eblvm_core.roles import TrainingRole
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(4, 3, 2, 2), torch.randn(4, 3, 2, 2)
+    steps = []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        p = torch.nn.Parameter(start.clone())
+        role = TrainingRole("model", torch.optim.Adam([p], lr=0.1))
+        p.grad = grad.clone().contiguous(memory_format=layout)
+        assert (p.grad.stride() == p.stride()) == (layout is torch.contiguous_format)
+        role.update()
+        assert p.grad.stride() == p.stride()
+        steps.append(p.detach().clone())
+    assert torch.equal(steps[0], steps[1]) and not torch.equal(steps[0], start)
+
+
+def test_under_fp16_an_update_needs_the_loss_to_scale_it():
+    from eblvm_core.roles import Precision, TrainingRole
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    role = TrainingRole("model", torch.optim.SGD([p], lr=0.1), scaler=Precision("fp16", "cpu").scaler())
+    with pytest.raises(ValueError, match="^under fp16 a role's update needs the loss, to scale it$"):
+        role.update()
+    assert p.tolist() == [1.0, 1.0]
+
+
+def test_the_gradient_statistics_go_through_a_checkpoint_and_only_for_training():
+    """(sum, count) of the norms since the last log step are in ``state_dict``; a role that loads it
+    to train reports their mean at its next log step; one loaded to evaluate (``training=False``)
+    takes neither them nor the optimizer's state. ``take_mean_grad_norm`` starts again from zero."""
+    from eblvm_core.roles import TrainingRole
+
+    def role() -> TrainingRole:
+        return TrainingRole("model", torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.1))
+
+    trained = role()
+    (p,) = trained.params
+    for loss in ((p - torch.tensor([3.0, 4.0])).square().sum() / 2, (p - torch.tensor([0.0, 1.0])).square().sum()):
+        trained.update(loss)
+    norms = trained.state_dict()["grad_norms"]
+    first = 5.0  # |p - (3, 4)| at p = 0
+    assert norms[1] == 2 and norms[0] > first
+    resumed, evaluated = role(), role()
+    resumed.load_state_dict(trained.state_dict())
+    evaluated.load_state_dict(trained.state_dict(), training=False)
+    assert resumed.take_mean_grad_norm() == pytest.approx(float(norms[0]) / 2, rel=1e-7)
+    assert resumed.take_mean_grad_norm() is None and resumed.state_dict()["grad_norms"].tolist() == [0.0, 0.0]
+    assert evaluated.take_mean_grad_norm() is None and not evaluated.optimizer.state
+    assert trained.take_mean_grad_norm() == pytest.approx(float(norms[0]) / 2, rel=1e-7)
+
+
+def test_prepared_state_is_what_the_first_update_starts_from():
+    """``prepare_state`` makes Adam's moments and the statistics (zero, nothing counted) and steps
+    nothing; the first update after it takes the same step as one without it."""
+    from eblvm_core.roles import TrainingRole
+
+    steps = []
+    for prepare in (False, True):
+        p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+        role = TrainingRole("model", torch.optim.Adam([p], lr=0.1))
+        if prepare:
+            role.prepare_state()
+            assert p.tolist() == [1.0, 2.0] and p.grad is None
+            state = role.optimizer.state[p]
+            assert float(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+            assert role.take_mean_grad_norm() is None and len(role.state_tensors()) == 3 + 4
+        role.update((p * torch.tensor([1.0, -2.0])).sum())
+        steps.append((p.detach().clone(), role.take_mean_grad_norm()))
+    assert torch.equal(steps[0][0], steps[1][0]) and steps[0][1] == steps[1][1] == pytest.approx(5**0.5)

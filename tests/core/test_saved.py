@@ -179,3 +179,103 @@ def test_a_role_with_a_parameter_average_is_loaded_with_the_average_in_place(tmp
     loaded = list(run.model.parameters())
     assert len(loaded) == len(average) and all(torch.equal(p, a) for p, a in zip(loaded, average))
     assert not all(torch.equal(p, trained[name]) for name, p in run.model.named_parameters())
+
+
+def test_a_name_folder_is_said_on_stderr_unless_told_otherwise(trained, capsys):
+    run = load_run(trained.parent)
+    assert run.run_dir == trained
+    assert capsys.readouterr().err == f"{trained.parent}: a run name's folder; using its one run: {trained}\n"
+
+
+def test_evaluators_given_by_table_need_a_kind_and_their_errors_name_the_runs_recipe(trained):
+    """A table without a kind lists the evaluators there are; an option the evaluator refuses is
+    the one-line error of the run's recipe.toml, at the table's place (``eval.<i>``)."""
+    run = load_run(trained)
+    with pytest.raises(ConfigError) as missing:
+        run.evaluate([{"split": "test"}], echo=None)
+    assert str(missing.value).startswith("[eval.0] kind: missing; choose one of: ais-loglik, density-plot, ")
+    assert "exact-loglik" in str(missing.value).split(": ")[-1].split(", ")
+    recipe = trained / "recipe.toml"
+    with pytest.raises(ConfigError) as refused:
+        run.evaluate(["exact-loglik", {"kind": "exact-loglik", "split": "val"}], echo=None)
+    assert str(refused.value) == f"{recipe}: [eval.1] split: the dataset has no 'val' split"
+    with pytest.raises(ConfigError) as unknown:
+        run.evaluate([{"kind": "score-loss", "bogus": 1}], echo=None)
+    assert str(unknown.value).startswith(f"{recipe}: [eval.0] bogus: unknown key; valid keys: split, ")
+
+
+def test_a_sampler_that_refuses_the_model_names_the_runs_recipe(trained):
+    run = load_run(trained)
+    with pytest.raises(ConfigError) as refused:
+        run.sample(4, sampler="annealed-langevin")
+    assert str(refused.value).startswith(f"{trained / 'recipe.toml'}: [sampler] mode: via-q sampling needs ")
+
+
+def test_a_model_without_a_default_sampler_needs_one_named(trained):
+    """No [sampler], no sampling [[eval]], and no sampler registered as the default for the model
+    kind: the error says what to add and lists the samplers; naming one works."""
+    from eblvm_core.plugins import load
+    from eblvm_core.recipe import Section
+
+    run = load_run(trained)
+    other = Section("model", load()["models"].get("bidvl-energy"), None)
+    run.recipe = attrs.evolve(run.recipe, parts={**run.recipe.parts, "model": other})
+    with pytest.raises(EblvmError) as none:
+        pick_sampler(run)
+    registered = ", ".join(load()["samplers"].names())
+    assert str(none.value) == (
+        "no sampler for model 'bidvl-energy': add a [sampler] section to the recipe or pass --sampler "
+        f"(registered: {registered})"
+    )
+    assert pick_sampler(run, "gibbs")[1] == "gibbs (defaults)"
+
+
+def test_the_sample_image_is_the_image_eblvm_sample_saves(cli, trained, tmp_path):
+    """``LoadedRun.sample_image`` for a seed, as 8-bit pixels, is the PNG ``eblvm sample`` writes for
+    that seed: a scatter of the 2-D samples with the data's bounds drawn as a red box."""
+    import numpy as np
+    from PIL import Image
+
+    from eblvm_core.plot import BOUNDS_COLOUR
+
+    out = tmp_path / "s.png"
+    result = cli(
+        [
+            "sample",
+            trained,
+            "-n",
+            "16",
+            "--seed",
+            "3",
+            "--out",
+            out,
+            "-o",
+            "sampler.kind=gibbs",
+            "-o",
+            "sampler.burn_in=5",
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    run = load_run(trained, overrides=["sampler.kind=gibbs", "sampler.burn_in=5"], seed=3)
+    image = run.sample_image(16)
+    saved = torch.from_numpy(np.array(Image.open(out).convert("RGB"))).permute(2, 0, 1)
+    assert torch.equal(image.mul(255).add(0.5).clamp(0, 255).to(torch.uint8), saved)
+    red = torch.tensor(BOUNDS_COLOUR, dtype=torch.float32)[:, None, None] / 255
+    assert (image - red).abs().amax(0).lt(1e-6).sum() > 100  # the bounds' box
+    bare = samples_image(run.sample(16), None)
+    assert (bare - red).abs().amax(0).lt(1e-6).sum() == 0  # no data, no bounds, no point beyond the view
+
+
+def test_samples_of_a_stored_shape_are_shown_in_it():
+    """Data whose examples are (H, W) arrays (not (C, H, W) images) are shown in that shape, each
+    value mapped by the training data's range to [0, 1]."""
+    from eblvm_core.contracts import DataSplits
+
+    train = torch.linspace(-1.0, 3.0, 10 * 24).reshape(10, 4, 6)  # the training data's range: [-1, 3]
+    data = DataSplits(train=train, test=train[:2])
+    assert data.image_shape is None and data.shape == (4, 6)
+    samples = torch.stack([torch.full((4, 6), value) for value in (-1.0, 1.0, 3.0, 5.0)])
+    image = samples_image(samples, data, scale=1)
+    assert image.shape == (3, 2 + 2 * (4 + 2), 2 + 2 * (6 + 2))  # two by two, 2 white pixels around each
+    tiles = [image[:, 2 + r * 6 : 6 + r * 6, 2 + c * 8 : 8 + c * 8] for r in range(2) for c in range(2)]
+    assert [float(t.unique()) for t in tiles] == [0.0, 0.5, 1.0, 1.0]  # -1, 1, 3 and 5 clamped

@@ -391,3 +391,18 @@ def test_a_file_fault_mid_run_is_a_read_error_or_a_write_error_by_where_the_file
     else:
         assert "img_0042.png: cannot read: Input/output error" in line and "cannot write" not in line
         assert f"once it is fixed, resume with: eblvm run --resume {only_run_dir(out)}" in line
+
+
+def test_what_the_build_warns_of_is_said_once_at_the_start_and_kept_in_run_log(tmp_path):
+    """A factory's warning (a relaxed posterior's temperature) is the session's first line after
+    the run is opened, before the run directory's line, and run.log keeps it."""
+    from tests.support import BISM, session_run
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(BISM.replace('kind = "bernoulli"', 'kind = "bernoulli"\ntemperature = 0.5', 1))
+    said = []
+    run_dir, _ = session_run(recipe, ["run.steps=2"], out=tmp_path / "runs", echo=said.append)
+    warnings = [line for line in said if line.startswith("warning: ")]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: [posterior] temperature: 0.5 > 0.2: ")
+    assert said.index(warnings[0]) == said.index(next(line for line in said if line.startswith("run directory: "))) - 1
+    assert warnings[0] in (run_dir / "run.log").read_text().splitlines()

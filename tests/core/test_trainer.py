@@ -10,6 +10,7 @@ exactly when select_metric stops improving.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import attrs
 import pytest
@@ -177,6 +178,48 @@ def test_a_resumed_run_keeps_counting_evaluations_without_improvement(cli, write
     assert same_tensors(
         networks(ckpt.last_checkpoint(only_run_dir(stopped))), networks(ckpt.last_checkpoint(only_run_dir(full)))
     )
+
+
+def test_a_run_killed_after_it_stopped_early_does_its_final_evaluation_alone_on_resume(
+    cli, write_recipe, tmp_path, scripted
+):
+    """Stopped early at 50 and killed before its session recorded the end (run.json still says
+    running): the resumed session trains no step, says why it stops, and its final evaluation is
+    step 50's, recorded as a stop."""
+    out = tmp_path / "runs"
+    assert cli(["run", write_recipe(PATIENT), "--out", out]).exit_code == 0  # stops at 50
+    run_dir = only_run_dir(out)
+    provenance = json.loads((run_dir / "run.json").read_text())
+    provenance["sessions"][-1]["status"] = "running"
+    (run_dir / "run.json").write_text(json.dumps(provenance))
+    before = metrics_rows(run_dir)
+    result = cli(["run", "--resume", run_dir])
+    assert result.exit_code == 0, result.output
+    assert (
+        "stopped early at step 50/100: eval/scripted/metric has not improved on 3 (step 30) in 2 evaluations "
+        "([run] patience = 2)"
+    ) in result.output
+    assert scalars(result.output)["scripted/metric"] == 2.9 and "nothing to do" not in result.output
+    assert ckpt.read_checkpoint(ckpt.last_checkpoint(run_dir))["step"] == 50
+    final = [row for row in before if row["step"] == 50 and "eval/scripted/metric" in row]
+    assert len(final) == 1  # written again, once, last; no training row added
+    assert metrics_rows(run_dir) == [row for row in before if row not in final] + final
+    sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
+    assert [(s["status"], s["to_step"]) for s in sessions][-1] == ("stopped early", 50)
+
+
+def test_fit_needs_records_with_a_run_directory(tmp_path, monkeypatch):
+    """``step`` alone writes nowhere; ``fit`` writes checkpoints, so a trainer without a run
+    directory says so at its first checkpoint instead of failing inside the save."""
+    from eblvm_core.trainer import Trainer
+    from tests.support import small_state
+
+    monkeypatch.chdir(tmp_path)
+    recipe, state = small_state(overrides=["run.steps=2", "run.checkpoint_every=1"])
+    trainer = Trainer(recipe, state)
+    with pytest.raises(ValueError, match="^Trainer.fit writes checkpoints: give it Records with a run directory$"):
+        trainer.fit()
+    assert state.step == 1 and list(tmp_path.iterdir()) == []
 
 
 # ---- what a step is due for ---------------------------------------------------------------------
@@ -363,6 +406,7 @@ def test_the_loop_does_each_action_at_exactly_the_steps_its_settings_say(
     writes last.pt at each multiple of checkpoint_every and at the end, a kept checkpoint at each
     multiple of keep_every (with last.pt where both fall), and last.pt once more after the final
     evaluation; each once, in step order."""
+    from eblvm_core.records import Records
     from eblvm_core.trainer import Trainer
     from tests.support import small_state
 
@@ -377,7 +421,8 @@ def test_the_loop_does_each_action_at_exactly_the_steps_its_settings_say(
         ]
     )
     recorded = Recorded(state)
-    trainer = Trainer(recipe, state, estimator_step=lambda batch: {"loss": torch.zeros(())})
+    records = Records(Path("never-written"), writes=False)  # fit saves to a run directory: here, recorded
+    trainer = Trainer(recipe, state, records, estimator_step=lambda batch: {"loss": torch.zeros(())})
     trainer.evaluation, trainer.progress.log, state.save = recorded, recorded.log, recorded.save
     trainer.fit()
 

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 import eblvm
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import ConfigError, EblvmError
-from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters, only_run_dir
+from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters, metrics_rows, only_run_dir, same_tensors
 
 quiet = None  # echo=None: nothing printed
 
@@ -156,3 +157,59 @@ def test_override_values_are_written_as_toml():
 
     assert [parse_value(o.partition("=")[2]) for o in override_list(values)] == list(values.values())
     assert override_list("run.steps=3") == ["run.steps=3"]
+
+
+def test_an_override_value_toml_cannot_hold_is_refused_naming_its_type():
+    from eblvm.api import override_list, toml_value
+
+    assert toml_value(True) == "true" and toml_value(Path("a b/c")) == '"a b/c"' and toml_value((1, 2.5)) == "[1, 2.5]"
+    for value, name in ((None, "NoneType"), ({1, 2}, "set"), ([1, object()], "object")):
+        with pytest.raises(TypeError) as refused:
+            override_list({"run.x": value})
+        assert str(refused.value) == f"an override value must be a bool, number, string, list or dict, not {name}"
+
+
+def test_a_run_reads_its_directory(run_copy):
+    """``Run``: its resolved recipe, how its last session ended, its rows (a line cut by a kill is
+    skipped), the checkpoints it can load, and the final evaluation read back from metrics.jsonl."""
+    run = eblvm.Run(run_copy)
+    assert repr(run) == f"Run({str(run_copy)!r}, status='finished')"
+    assert run.recipe.path == str(run_copy / "recipe.toml") and run.recipe.run.seed == 7 and run.recipe.run.steps == 30
+    rows = metrics_rows(run_copy)
+    assert run.history() == rows and run.checkpoints() == ["last"]
+    assert run.metrics == {k: v for k, v in rows[-1].items() if k.startswith("eval/")} and run.metrics
+    with (run_copy / "metrics.jsonl").open("a") as file:
+        file.write('{"step": 40, "train/lo')  # killed mid-line
+    assert eblvm.Run(run_copy).history() == rows
+    (run_copy / "metrics.jsonl").unlink()
+    ckpt.last_checkpoint(run_copy).unlink()
+    bare = eblvm.Run(run_copy)
+    assert bare.history() == [] and bare.metrics == {} and bare.checkpoints() == []
+
+
+def test_prepared_restores_a_checkpoint_and_steps_on_from_it(trained):
+    """``prepare`` then ``restore(last.pt)``: the run's step and parameters, and the next step is
+    the one a resumed run takes (the same parameters as resuming for one more step)."""
+    prepared = eblvm.prepare(trained / "recipe.toml", echo=quiet)
+    saved = ckpt.load(ckpt.last_checkpoint(trained))
+    prepared.restore(ckpt.last_checkpoint(trained))
+    assert prepared.state.step == 30
+    assert same_tensors(prepared.parts.model.state_dict(), saved["networks"]["model"])
+    prepared.step()
+    assert prepared.state.step == 31
+    assert not same_tensors(prepared.parts.model.state_dict(), saved["networks"]["model"])
+
+
+def test_prepared_fit_trains_as_eblvm_run_does(write_recipe, tmp_path):
+    """``Prepared.fit(run_dir)``: the same parameters to the bit and the same final evaluation as
+    ``eblvm.train`` of the recipe, with its records written into ``run_dir`` (made) and run.json
+    saying it finished."""
+    recipe = write_recipe(SMALL_RECIPE.replace("steps = 30", "steps = 20"))
+    trained = eblvm.train(recipe, out=tmp_path / "runs", echo=quiet)
+    said = []
+    prepared = eblvm.prepare(recipe, echo=said.append)
+    results = prepared.fit(tmp_path / "prepared")
+    assert_same_parameters(trained.run_dir, tmp_path / "prepared")
+    assert results == trained.metrics and results
+    assert eblvm.Run(tmp_path / "prepared").status == "finished" and eblvm.Run(tmp_path / "prepared").metrics == results
+    assert any(line.startswith("step 20/20") for line in said), said

@@ -37,7 +37,10 @@ def clean_plugins(tmp_path, monkeypatch):
     """A folder on sys.path for plugin modules; EBLVM_PLUGIN_MODULES and the loaded plugins are put
     back as they were after the test."""
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("EBLVM_PLUGIN_MODULES", raising=False)
+    # set, then deleted: monkeypatch records only a variable it changes, and add_plugin sets this one
+    # itself, which would otherwise outlive the test and reach every process the worker starts later
+    monkeypatch.setenv("EBLVM_PLUGIN_MODULES", "")
+    monkeypatch.delenv("EBLVM_PLUGIN_MODULES")
     monkeypatch.setattr(plugins, "_loaded", None)
     return tmp_path
 
@@ -56,6 +59,16 @@ def test_add_plugin_registers_a_module_once_and_refuses_a_broken_one(clean_plugi
     assert os.environ["EBLVM_PLUGIN_MODULES"] == "tutorial_zero_plugin"  # taken out again
     loaded = plugins.load()
     assert not loaded.failed and "tutorial-zero" in loaded["divergences"].names()
+
+
+def test_a_plugin_that_fails_to_load_leaves_the_environment_as_it_was(clean_plugins):
+    (clean_plugins / "tutorial_broken_plugin.py").write_text("raise RuntimeError('no such luck')\n")
+    names = plugins.load(force=True, warn=False)["divergences"].names()
+    with pytest.raises(EblvmError, match="plugin 'tutorial_broken_plugin' failed to load: RuntimeError: no such luck"):
+        eblvm.add_plugin("tutorial_broken_plugin")
+    assert "EBLVM_PLUGIN_MODULES" not in os.environ
+    loaded = plugins.load()
+    assert not loaded.failed and loaded["divergences"].names() == names
 
 
 @pytest.mark.slow
