@@ -154,6 +154,7 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
 # exact to rounding here (tests/core/test_compiled.py checks every compiled estimator against eager).
 # Tensors keep the layout the eager step gives them (no channels-last convolutions): a part reads what
 # another part returns as the trace saw it (a view of it included).
+APART_GRACE_S = 10.0  # seconds the other process may take beyond this one's pace: its start, a loaded machine
 INDUCTOR = {"pattern_matcher": False, "layout_optimization": False}
 # SIMD loops, for a graph with a tensor above SCALAR_LOOPS_BELOW elements, use the ISA the CPU's flags
 # name, without inductor's trial build of each (seconds on a new machine); scalar loops skip the ISA
@@ -533,14 +534,21 @@ class CompiledStep:
                 inputs = [values[node] for node in part.inputs]
                 alone.setdefault(key, (module_of_part, inputs))
                 values.update(zip((part.nodes[i] for i in positions), module_of_part(*inputs)))
-            largest = max(alone, key=lambda k: len(alone[k][0].graph.nodes))
+            size = {key: len(m.graph.nodes) for key, (m, _) in alone.items()}
+            largest = max(size, key=size.__getitem__)
+            others = [key for key in alone if key != largest]
             apart = inductor.compile_apart(
-                [(m, inputs, inductor_options(m.graph)) for k, (m, inputs) in alone.items() if k != largest]
+                [(alone[k][0], alone[k][1], inductor_options(alone[k][0].graph)) for k in others]
             )
             try:
-                for key in [largest, *(k for k in alone if k != largest)]:
+                begin, hits = time.perf_counter(), inductor.cache_hits()
+                for key in [largest, *others]:
                     if apart is not None and key != largest:
-                        apart.wait()
+                        # waited for as long as this process would take for the others at its pace on the
+                        # largest, not at all where the largest was in the cache (the others are too, then)
+                        pace = (time.perf_counter() - begin) / size[largest]
+                        cold = inductor.cache_hits() == hits
+                        apart.wait(timeout=pace * sum(size[k] for k in others) + APART_GRACE_S if cold else 0.0)
                         apart = None
                     module_of_part, inputs = alone[key]
                     compiled[key] = inductor.compile_part(
@@ -554,7 +562,7 @@ class CompiledStep:
                 raise Refused(f"compiling failed ({type(exc).__name__}: {_first_line(exc)})") from None
             finally:
                 if apart is not None:
-                    apart.wait()
+                    apart.wait(timeout=0.0)
         self.calls, self.compiled_parts = len(self._program), len(compiled)
 
     @staticmethod

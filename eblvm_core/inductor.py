@@ -279,8 +279,8 @@ class Apart:
             stderr=subprocess.DEVNULL,
         )
 
-    def wait(self, timeout: float = 300.0) -> None:
-        """Until the other process ends (stopped after ``timeout`` seconds: this one then compiles
+    def wait(self, timeout: float) -> None:
+        """Until the other process ends, or stop it after ``timeout`` seconds (this one then compiles
         what it did not)."""
         try:
             self.process.wait(timeout)
@@ -298,6 +298,13 @@ def compile_apart(jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]) 
     if not jobs or (os.cpu_count() or 1) - os.getloadavg()[0] < 1:
         return None
     return Apart(jobs)
+
+
+def cache_hits() -> int:
+    """How many compiles of this process inductor has read from its cache so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_hit"]
 
 
 def _compile_jobs(payload: str) -> None:
