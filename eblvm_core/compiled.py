@@ -458,7 +458,7 @@ class CompiledStep:
             raise Refused(f"torch {torch.__version__} has no torch._inductor.compile_to_python (torch 2.14 or later)")
         self.rates = rates
         self.tensors = [*tensors, *(rates.tensors() if rates is not None else [])]
-        start = time.perf_counter()
+        start, clock = time.perf_counter(), inductor.core_clock()
         module = self._trace(step, example, owner)
         self.draws = draw_buffers(_lift_draws(module.graph))
         self._fills = [buffer.fill for buffer in self.draws]
@@ -469,7 +469,7 @@ class CompiledStep:
         parts = inductor.cut(module.graph, inductor.segments(module.graph), returned)
         self.trace_s = time.perf_counter() - start
         start = time.perf_counter()
-        self._compile(module, parts, results, example)
+        self._compile(module, parts, results, example, inductor.idle_cores(clock))
         self.compile_s = time.perf_counter() - start
 
     def _trace(self, step: Callable[[Tensor], dict[str, Tensor]], example: Tensor, owner: Any) -> torch.fx.GraphModule:
@@ -501,9 +501,15 @@ class CompiledStep:
         return module
 
     def _compile(
-        self, module: torch.fx.GraphModule, parts: list[inductor.Part], results: list[Any], example: Tensor
+        self,
+        module: torch.fx.GraphModule,
+        parts: list[inductor.Part],
+        results: list[Any],
+        example: Tensor,
+        idle_cores: float,
     ) -> None:
-        """Compile each distinct part once and lay out the program a call runs: ``_slots`` (the batch,
+        """Compile each distinct part once (the smaller ones by another process where ``idle_cores``,
+        the cores that stood idle while the step was traced, can run it) and lay out the program a call runs: ``_slots`` (the batch,
         the state, the draws, the constants, then what parts return), ``_program`` (each part's call,
         the slots it reads and those it fills) and ``_results`` (the slot or value of each metric)."""
         graph = module.graph
@@ -537,9 +543,8 @@ class CompiledStep:
             size = {key: len(m.graph.nodes) for key, (m, _) in alone.items()}
             largest = max(size, key=size.__getitem__)
             others = [key for key in alone if key != largest]
-            apart = inductor.compile_apart(
-                [(alone[k][0], alone[k][1], inductor_options(alone[k][0].graph)) for k in others]
-            )
+            jobs = [(alone[k][0], alone[k][1], inductor_options(alone[k][0].graph)) for k in others]
+            apart = inductor.compile_apart([job for job in jobs if not inductor.is_cached(*job)], idle_cores)
             try:
                 begin, hits = time.perf_counter(), inductor.cache_hits()
                 for key in [largest, *others]:

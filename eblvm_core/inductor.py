@@ -9,18 +9,22 @@ is inductor's own ``call(args)``, no guards or runtime wrappers. Its intermediat
 allocated once, with the compiled module, instead of on every call (``preallocated``). Where a step
 has several parts and the machine a second core, the smaller parts are compiled in a process of
 their own (``compile_apart``, run as ``python -m eblvm_core.inductor``) while this one compiles the
-largest, and found in inductor's cache afterwards.
+largest, and found in the cache afterwards. Compiled sources are kept in inductor's cache folder,
+so a second run of the same step loads them instead of tracing and compiling its parts again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -246,10 +250,43 @@ def cut(graph: Graph, pieces: list[tuple[bool, list[Node]]], results: Iterable[N
     return [part for part in parts if part.outputs or part.changes_state()]
 
 
+_sources_read = 0  # parts whose compiled source this process read from the cache folder
+
+
 def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Callable:
     """``call(inputs: list) -> outputs`` of ``module`` (a part: it changes its inputs in place as the
     part does) compiled by inductor with config ``options``, from its functional form traced on
-    ``example``; to be called under ``torch.no_grad()``."""
+    ``example``; to be called under ``torch.no_grad()``. The module's source is kept in inductor's
+    cache folder under a key of everything it is made from (``source_key``), so a second compile of
+    the same part only loads it (its kernels then come from inductor's own cache)."""
+    global _sources_read
+    with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
+        path = _cached_source(module, example, options)
+        if path.is_file():
+            try:
+                call = torch._inductor.load_from_python(path.read_text())
+                _sources_read += 1
+                return call
+            except Exception:  # a file cut short, a kernel that no longer builds: compiled again below
+                pass
+        source = preallocated(_compiled_source(module, example))
+        call = torch._inductor.load_from_python(source)
+        _write_atomically(path, source)
+        return call
+
+
+def is_cached(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> bool:
+    """Whether ``compile_part`` would find the part's source in the cache folder."""
+    return _cached_source(module, example, options).is_file()
+
+
+def _cached_source(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Path:
+    return _cache_folder() / f"{source_key(module, example, options)}.py"
+
+
+def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
+    """Inductor's module source of ``module``'s functional form traced on ``example`` (under the
+    caller's inductor config)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -257,11 +294,53 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
         torch.func.functionalize(module, remove="mutations"),
         decomposition_table=select_decomp_table(),
         tracing_mode="fake",
-        _allow_non_fake_inputs=True,  # the step's constants (a noise distribution's scale, say)
+        _allow_non_fake_inputs=True,  # the example is real tensors: the step's state
     )(*example)
-    with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
-        source, _ = torch._inductor.compile_to_python(functional, list(example))
-        return torch._inductor.load_from_python(preallocated(source))
+    source, _ = torch._inductor.compile_to_python(functional, list(example))
+    return source
+
+
+def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> str:
+    """A hash of what a part's compiled source is made from: the part's code (every operation and
+    constant: the part's tensors are all inputs), each input's shape, strides, offset, dtype and
+    device, the threads (inductor writes parallel loops for them), inductor's config with
+    ``options`` applied, the CPU's vector instructions, torch's version and this
+    module's own source (``preallocated`` rewrites what inductor wrote)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    with torch._inductor.config.patch(options):
+        config = sorted(torch._inductor.config.save_config_portable().items())
+    digest = hashlib.sha256()
+    for item in (
+        module.code,
+        *(
+            (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device) if isinstance(t, Tensor) else t
+            for t in example
+        ),
+        torch.get_num_threads(),
+        config,
+        str(pick_vec_isa()),  # its name (an invalid one has no other repr than its address)
+        torch.__version__,
+        Path(__file__).read_bytes(),
+    ):
+        digest.update(repr(item).encode() if not isinstance(item, bytes) else item)
+    return digest.hexdigest()[:32]
+
+
+def _cache_folder() -> Path:
+    """Where compiled sources are kept: ``eblvm`` in inductor's cache folder (TORCHINDUCTOR_CACHE_DIR)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "eblvm"
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file and a rename: a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
 
 
 class Apart:
@@ -291,20 +370,46 @@ class Apart:
             shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def compile_apart(jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]) -> Apart | None:
+IDLE_CORES_FOR_APART = 0.75  # cores that stood idle while the step was traced, at least
+
+
+def compile_apart(jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]], idle: float) -> Apart | None:
     """``compile_part`` of each (module, example, options) of ``jobs`` started in another process,
-    or None where there is nothing to start or no idle core to run it on (the last minute's load
-    leaves less than one of the machine's cores free, as when tests run on every core)."""
-    if not jobs or (os.cpu_count() or 1) - os.getloadavg()[0] < 1:
+    or None where there is nothing to start or no idle core to run it on: ``idle`` (``idle_cores``)
+    under IDLE_CORES_FOR_APART, as when tests run on every core."""
+    if not jobs or idle < IDLE_CORES_FOR_APART:
         return None
     return Apart(jobs)
 
 
+def core_clock() -> tuple[float, float | None]:
+    """(now, the seconds all the machine's cores have stood idle since boot): the start of a stretch
+    ``idle_cores`` reads. The idle seconds come from /proc/stat (Linux), None elsewhere."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()  # cpu user nice system idle iowait ... (clock ticks)
+        idle = (int(fields[4]) + int(fields[5])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        idle = None
+    return time.monotonic(), idle
+
+
+def idle_cores(since: tuple[float, float | None]) -> float:
+    """How many of the machine's cores stood idle on average since ``since`` (``core_clock()``), or,
+    without /proc/stat, how many the last minute's load average leaves free."""
+    start, idle_start = since
+    now, idle_now = core_clock()
+    if idle_start is None or idle_now is None or now <= start:
+        return (os.cpu_count() or 1) - os.getloadavg()[0]
+    return (idle_now - idle_start) / (now - start)
+
+
 def cache_hits() -> int:
-    """How many compiles of this process inductor has read from its cache so far."""
+    """How many parts this process has read compiled so far: their source from the cache folder, or
+    inductor's compile of their graph from its own cache."""
     from torch._dynamo.utils import counters
 
-    return counters["inductor"]["fxgraph_cache_hit"]
+    return _sources_read + counters["inductor"]["fxgraph_cache_hit"]
 
 
 def _compile_jobs(payload: str) -> None:

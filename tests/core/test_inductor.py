@@ -4,9 +4,11 @@ compiled step takes the step the eager code takes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from eblvm_core import compiled as compiled_module
@@ -169,21 +171,21 @@ def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
     other process compiles the repeat into the cache, where this one finds it."""
     monkeypatch.setattr(inductor, "REPEATS_WORTH_CUTTING", 1)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the other process compiles into it
-    monkeypatch.setattr(inductor.os, "getloadavg", lambda: (0.0 if apart else 64.0,) * 3)
+    monkeypatch.setattr(inductor, "idle_cores", lambda since: 2.0 if apart else 0.0)
     monkeypatch.setattr(compiled_module, "APART_GRACE_S", 600.0)  # a loaded test machine: wait for it
     started: list[inductor.Apart] = []
     start_apart = inductor.compile_apart
     monkeypatch.setattr(
-        inductor, "compile_apart", lambda jobs: started.append(a) or a if (a := start_apart(jobs)) else None
+        inductor, "compile_apart", lambda jobs, idle: started.append(a) or a if (a := start_apart(jobs, idle)) else None
     )
     torch.manual_seed(0)
     w, v = torch.randn(3, 5), torch.randn(5)
     batches = [torch.randn(8, 3) for _ in range(3)]
-    counters["inductor"].clear()
+    read_before = inductor.cache_hits()
     compiled = CompiledStep(make_step(w, v), [w, v], batches[0])
     assert (compiled.calls, compiled.compiled_parts) == (K + 1, 2)
     assert [a.process.returncode for a in started] == ([0] if apart else [])
-    assert counters["inductor"]["fxgraph_cache_hit"] == (1 if apart else 0), "the repeat read from the cache"
+    assert inductor.cache_hits() - read_before == (1 if apart else 0), "the repeat read from the cache"
     start, rng = [w.clone(), v.clone()], torch.get_rng_state()
     eager = [{k: t.clone() for k, t in make_step(w, v)(b).items()} for b in batches]
     after, eager_rng = [w.clone(), v.clone()], torch.get_rng_state()
@@ -193,3 +195,78 @@ def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
     torch.testing.assert_close([w, v], after, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(got, eager):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def tiny_part() -> torch.fx.GraphModule:
+    """A part as ``Part.module`` makes one: w ← w − 0.1·tanh(x @ w) in place; returns (x @ w).sum()."""
+
+    def part(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        y = x @ w
+        w.sub_(0.1 * y.tanh().mean(0))
+        return (y.sum(),)
+
+    return make_fx(part)(torch.randn(4, 3), torch.randn(3, 2))
+
+
+@pytest.mark.slow
+def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what_it_is_made_of(monkeypatch, tmp_path):
+    """The second compile of a part loads the source the first wrote (and computes the same);
+    another input shape, another thread count or other inductor options is another key; a cached
+    file that does not load is compiled again."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    module, options = tiny_part(), {"pattern_matcher": False}
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 3), torch.randn(3, 2)
+
+    def compiled_result(example_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        changed = example_w.clone()
+        with torch.no_grad():
+            (total,) = inductor.compile_part(module, [x, changed], options)([x, changed])
+        return total, changed
+
+    reads = inductor.cache_hits()
+    first = compiled_result(w)
+    assert inductor.cache_hits() == reads and len(list((tmp_path / "eblvm").glob("*.py"))) == 1
+    compile_source = inductor._compiled_source
+
+    def no_compile(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(inductor, "_compiled_source", no_compile)
+    second = compiled_result(w)
+    assert inductor.cache_hits() == reads + 1, "the second compile read the kept source"
+    monkeypatch.setattr(inductor, "_compiled_source", compile_source)
+    expected_w = w.clone()
+    (expected,) = module(x, expected_w)
+    for got in (first, second):
+        torch.testing.assert_close(got[0], expected)
+        torch.testing.assert_close(got[1], expected_w)
+
+    key = inductor.source_key(module, [x, w], options)
+    assert inductor.source_key(module, [x, w.t().contiguous().t()], options) != key, "strides"
+    assert inductor.source_key(module, [x[:2], w], options) != key, "shape"
+    assert inductor.source_key(module, [x, w], {"pattern_matcher": True}) != key, "options"
+    with torch._inductor.config.patch({"epilogue_fusion": not torch._inductor.config.epilogue_fusion}):
+        assert inductor.source_key(module, [x, w], options) != key, "inductor's config"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert inductor.source_key(module, [x, w], options) != key, "threads"
+    finally:
+        torch.set_num_threads(threads)
+
+    # the same key in another process, with scalar kernels too (an invalid vector ISA has no name but its address)
+    scalar = {"cpp.vec_isa_ok": False}
+    program = (
+        f"import torch; torch.set_num_threads({torch.get_num_threads()}); from eblvm_core import inductor; "
+        "from tests.core.test_inductor import tiny_part; "
+        "print(inductor.source_key(tiny_part(), [torch.zeros(4, 3), torch.zeros(3, 2)], {'cpp.vec_isa_ok': False}))"
+    )
+    other = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == inductor.source_key(module, [x, w], scalar), "stable across processes"
+
+    (path,) = (tmp_path / "eblvm").glob("*.py")
+    path.write_text("this is not python")
+    third = compiled_result(w)
+    torch.testing.assert_close(third[0], expected)
+    assert "def call" in path.read_text(), "compiled again and written over"
