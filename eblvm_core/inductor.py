@@ -304,10 +304,9 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     """A hash of what a part's compiled source is made from: the part's code (every operation and
     constant: the part's tensors are all inputs), each input's shape, strides, offset, dtype and
     device, the threads (inductor writes parallel loops for them), inductor's config with
-    ``options`` applied, the CPU's vector instructions, torch's version and this
-    module's own source (``preallocated`` rewrites what inductor wrote)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
+    ``options`` applied, the CPU's vector instructions as torch reads them (inductor's own check
+    compiles a program, and changes the flags of the kernels compiled after it), torch's version
+    and this module's own source (``preallocated`` rewrites what inductor wrote)."""
     with torch._inductor.config.patch(options):
         config = sorted(torch._inductor.config.save_config_portable().items())
     digest = hashlib.sha256()
@@ -319,7 +318,7 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
         ),
         torch.get_num_threads(),
         config,
-        str(pick_vec_isa()),  # its name (an invalid one has no other repr than its address)
+        torch.backends.cpu.get_cpu_capability(),  # what inductor picks its vector instructions from
         torch.__version__,
         Path(__file__).read_bytes(),
     ):
