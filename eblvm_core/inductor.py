@@ -253,15 +253,18 @@ def cut(graph: Graph, pieces: list[tuple[bool, list[Node]]], results: Iterable[N
 _sources_read = 0  # parts whose compiled source this process read from the cache folder
 
 
-def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Callable:
+def compile_part(
+    module: GraphModule, example: Sequence[Tensor], options: dict[str, Any], key: str | None = None
+) -> Callable:
     """``call(inputs: list) -> outputs`` of ``module`` (a part: it changes its inputs in place as the
     part does) compiled by inductor with config ``options``, from its functional form traced on
     ``example``; to be called under ``torch.no_grad()``. The module's source is kept in inductor's
-    cache folder under a key of everything it is made from (``source_key``), so a second compile of
-    the same part only loads it (its kernels then come from inductor's own cache)."""
+    cache folder under a key of everything it is made from (``source_key``, or ``key`` where the
+    process that wants the part computed it), so a second compile of the same part only loads it
+    (its kernels then come from inductor's own cache)."""
     global _sources_read
     with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
-        path = _cached_source(module, example, options)
+        path = _cache_folder() / f"{key or source_key(module, example, options)}.py"
         if path.is_file():
             try:
                 call = torch._inductor.load_from_python(path.read_text())
@@ -277,11 +280,7 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
 
 def is_cached(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> bool:
     """Whether ``compile_part`` would find the part's source in the cache folder."""
-    return _cached_source(module, example, options).is_file()
-
-
-def _cached_source(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Path:
-    return _cache_folder() / f"{source_key(module, example, options)}.py"
+    return (_cache_folder() / f"{source_key(module, example, options)}.py").is_file()
 
 
 def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
@@ -350,7 +349,11 @@ class Apart:
     def __init__(self, jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]):
         self.folder = tempfile.mkdtemp(prefix="eblvm-compile-")
         payload = os.path.join(self.folder, "parts.pt")
-        torch.save({"jobs": jobs, "threads": torch.get_num_threads()}, payload)
+        # this process's threads and inductor config, so the other compiles what this one would, and the
+        # keys this one will look for
+        config = torch._inductor.config.save_config()
+        keys = [source_key(*job) for job in jobs]
+        torch.save({"jobs": jobs, "keys": keys, "threads": torch.get_num_threads(), "config": config}, payload)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "eblvm_core.inductor", payload],
             stdout=subprocess.DEVNULL,
@@ -413,13 +416,14 @@ def cache_hits() -> int:
 
 def _compile_jobs(payload: str) -> None:
     """The other process of ``compile_apart``: compile each part of the file ``payload`` (written by
-    this module a moment ago, in a folder of its own) with the threads the parent runs with, which
-    decide what inductor writes."""
+    this module a moment ago, in a folder of its own) with the threads and the inductor config the
+    parent runs with, which decide what inductor writes, under the keys the parent computed."""
     saved = torch.load(payload, weights_only=False)  # a GraphModule: this program's own file, not a user's
     torch.set_num_threads(saved["threads"])
+    torch._inductor.config.load_config(saved["config"])
     with torch.no_grad():
-        for module, example, options in saved["jobs"]:
-            compile_part(module, example, options)
+        for (module, example, options), key in zip(saved["jobs"], saved["keys"]):
+            compile_part(module, example, options, key)
 
 
 _ALLOCATION = re.compile(r"^(\s+)(buf\d+) = (empty_strided_cpu\(.*\))$")

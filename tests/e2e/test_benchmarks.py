@@ -89,8 +89,9 @@ def test_bench_compile_compiles_cold_and_warm_and_lists_what_does_not_compile(tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = table_rows(out.read_text())
     assert [row[1] for row in rows] == ["exact-score DSM", "BiSM implicit (K=5, Neumann 40)"]
-    eager, compiled, ratio, cold, warm, difference = rows[0][2:8]
+    eager, compiled, graph, loop, ratio, loop_ratio, cold, warm, difference = rows[0][2:11]
     assert float(ratio) == pytest.approx(float(eager) / float(compiled), rel=0.05) and float(difference) < 1e-4
+    assert float(loop_ratio) == pytest.approx(float(loop) / float(graph), rel=0.05)
     assert float(cold) > 0 and float(warm) > 0
     assert "not compiled: its conjugate-gradient and Neumann solves stop at a tolerance" in rows[1][3]
 
