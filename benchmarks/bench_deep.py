@@ -152,6 +152,7 @@ def build_case(recipe: str, overrides: list[str], root: Path, device: torch.devi
         f'data.root="{root}"',
         "~eval",
         "run.seed=0",
+        "run.compile=false",  # the eager step on a CPU too (bench_compile.py times the compiled one)
         f"run.cuda_graph={str(graphed).lower()}",
     ]
     return eblvm.prepare(ROOT / "recipes" / recipe, overrides=options, device=str(device), echo=None)

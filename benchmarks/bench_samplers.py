@@ -102,7 +102,7 @@ def row(label: str, distance: float, diagnostics: dict[str, float] | None, secon
         return f"| {label} | {distance:.3f} | | | | |"
     ess = min(diagnostics["ess_energy"], diagnostics["ess_projections"])
     rhat = max(diagnostics["rhat_energy"], diagnostics["rhat_projections"])
-    return f"| {label} | {distance:.3f} | {ess:,.0f} | {rhat:.3f} | {seconds:.2f} | {ess / seconds:,.0f} |"
+    return f"| {label} | {distance:.3f} | {ess:,.0f} | {rhat:.3f} | {seconds:.3g} | {ess / seconds:,.0f} |"
 
 
 def main() -> None:
