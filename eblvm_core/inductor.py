@@ -253,18 +253,15 @@ def cut(graph: Graph, pieces: list[tuple[bool, list[Node]]], results: Iterable[N
 _sources_read = 0  # parts whose compiled source this process read from the cache folder
 
 
-def compile_part(
-    module: GraphModule, example: Sequence[Tensor], options: dict[str, Any], key: str | None = None
-) -> Callable:
+def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Callable:
     """``call(inputs: list) -> outputs`` of ``module`` (a part: it changes its inputs in place as the
     part does) compiled by inductor with config ``options``, from its functional form traced on
     ``example``; to be called under ``torch.no_grad()``. The module's source is kept in inductor's
-    cache folder under a key of everything it is made from (``source_key``, or ``key`` where the
-    process that wants the part computed it), so a second compile of the same part only loads it
-    (its kernels then come from inductor's own cache)."""
+    cache folder under a key of everything it is made from (``source_key``), so a second compile of
+    the same part only loads it (its kernels then come from inductor's own cache)."""
     global _sources_read
     with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
-        path = _cache_folder() / f"{key or source_key(module, example, options)}.py"
+        path = _cache_folder() / f"{source_key(module, example, options)}.py"
         if path.is_file():
             try:
                 call = torch._inductor.load_from_python(path.read_text())
@@ -349,11 +346,12 @@ class Apart:
     def __init__(self, jobs: list[tuple[GraphModule, list[Tensor], dict[str, Any]]]):
         self.folder = tempfile.mkdtemp(prefix="eblvm-compile-")
         payload = os.path.join(self.folder, "parts.pt")
-        # this process's threads and inductor config, so the other compiles what this one would, and the
-        # keys this one will look for
+        # this process's threads and inductor config, so the other compiles what this one would; it keeps
+        # each part under the key of the module it compiled, which this one finds only where unpickling
+        # gave back the same module (it may not: unpickling traces a GraphModule's code again, which
+        # can fold constants)
         config = torch._inductor.config.save_config()
-        keys = [source_key(*job) for job in jobs]
-        torch.save({"jobs": jobs, "keys": keys, "threads": torch.get_num_threads(), "config": config}, payload)
+        torch.save({"jobs": jobs, "threads": torch.get_num_threads(), "config": config}, payload)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "eblvm_core.inductor", payload],
             stdout=subprocess.DEVNULL,
@@ -417,13 +415,13 @@ def cache_hits() -> int:
 def _compile_jobs(payload: str) -> None:
     """The other process of ``compile_apart``: compile each part of the file ``payload`` (written by
     this module a moment ago, in a folder of its own) with the threads and the inductor config the
-    parent runs with, which decide what inductor writes, under the keys the parent computed."""
+    parent runs with, which decide what inductor writes and the keys it is kept under."""
     saved = torch.load(payload, weights_only=False)  # a GraphModule: this program's own file, not a user's
     torch.set_num_threads(saved["threads"])
     torch._inductor.config.load_config(saved["config"])
     with torch.no_grad():
-        for (module, example, options), key in zip(saved["jobs"], saved["keys"]):
-            compile_part(module, example, options, key)
+        for module, example, options in saved["jobs"]:
+            compile_part(module, example, options)
 
 
 _ALLOCATION = re.compile(r"^(\s+)(buf\d+) = (empty_strided_cpu\(.*\))$")
