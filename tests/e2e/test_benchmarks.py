@@ -132,6 +132,7 @@ def test_bench_deep_builds_and_times_every_case_at_its_tiny_size(tmp_path, monke
     assert released["BiMDSM (K=5, N=0), fp32"] == "111.5"  # the released code's H100 figure beside its case
 
 
+@pytest.mark.slow
 def test_bench_deep_counts_flops_measures_a_peak_and_profiles(tmp_path, monkeypatch, capsys):
     path, flops, peak = BENCHMARKS / "bench_deep.py", tmp_path / "flops.md", tmp_path / "peak.md"
     run_script(path, "--smoke", "--device", "cpu", "--flops", "--cases", 8, 11, "--out", flops, monkeypatch=monkeypatch)

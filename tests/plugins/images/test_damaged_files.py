@@ -222,6 +222,7 @@ def test_an_image_damaged_past_its_header_is_named_when_a_worker_reads_it(image_
     assert expected in str(info.value)
 
 
+@pytest.mark.slow
 def test_a_run_that_meets_a_damaged_image_stops_in_one_line(cli, write_recipe, tmp_path, image_root):
     damaged = cut(image_root / "train" / "img007.png", 0.5)
     recipe = write_recipe(FOLDER_RECIPE.format(root=image_root))

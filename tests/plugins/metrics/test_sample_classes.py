@@ -43,6 +43,7 @@ def test_label_statistics_by_hand():
     assert entropy == pytest.approx(-(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))  # labels 0, 1, 0, 0
 
 
+@pytest.mark.slow
 def test_the_check_separates_held_out_digits_from_noise_and_from_one_repeated_digit(monkeypatch):
     parts = digits_parts()
     held_out = parts.data.take("test", torch.arange(100, 164))  # not among the 64 test images it reports on
