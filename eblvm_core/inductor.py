@@ -16,6 +16,7 @@ so a second run of the same step loads them instead of tracing and compiling its
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 import re
 import shutil
@@ -297,8 +298,8 @@ def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
 
 
 def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> str:
-    """A hash of what a part's compiled source is made from: the part's code (every operation and
-    constant: the part's tensors are all inputs), each input's shape, strides, offset, dtype and
+    """A hash of what a part's compiled source is made from: the part's graph (every operation and
+    constant, nodes by position: ``_canonical``), each input's shape, strides, offset, dtype and
     device, the threads (inductor writes parallel loops for them), inductor's config with
     ``options`` applied, the CPU's vector instructions as torch reads them (inductor's own check
     compiles a program, and changes the flags of the kernels compiled after it), torch's version
@@ -307,7 +308,7 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
         config = sorted(torch._inductor.config.save_config_portable().items())
     digest = hashlib.sha256()
     for item in (
-        module.code,
+        _canonical(module),
         *(
             (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device) if isinstance(t, Tensor) else t
             for t in example
@@ -320,6 +321,35 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     ):
         digest.update(repr(item).encode() if not isinstance(item, bytes) else item)
     return digest.hexdigest()[:32]
+
+
+def _canonical(module: GraphModule) -> str:
+    """``module``'s graph as text that names nodes by position, not by name (a GraphModule unpickled
+    in another process has the same operations under other names), with the bytes of any tensor it
+    holds as an attribute."""
+    position: dict[Node, str] = {}
+    rows: list[tuple[str, ...]] = []
+    for i, node in enumerate(module.graph.nodes):
+        position[node] = f"%{i}"
+        target = node.target
+        if node.op == "get_attr":
+            value = operator.attrgetter(str(target))(module)
+            held = (
+                hashlib.sha256(value.detach().cpu().numpy().tobytes()).hexdigest()
+                if isinstance(value, Tensor)
+                else value
+            )
+            rows.append(("get_attr", repr(held)))
+            continue
+        if node.op == "placeholder":
+            name = ""
+        elif isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            name = str(target)
+        else:
+            name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+        arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: position[n])
+        rows.append((node.op, name, repr(arguments)))
+    return repr(rows)
 
 
 def _cache_folder() -> Path:
@@ -354,6 +384,7 @@ class Apart:
         torch.save({"jobs": jobs, "threads": torch.get_num_threads(), "config": config}, payload)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "eblvm_core.inductor", payload],
+            cwd=Path(__file__).resolve().parents[1],  # this eblvm_core, not one in the folder the run started in
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -4,6 +4,7 @@ compiled step takes the step the eager code takes."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -245,6 +246,11 @@ def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what
     key = inductor.source_key(module, [x, w], options)
     assert inductor.source_key(module, [x, w.t().contiguous().t()], options) != key, "strides"
     assert inductor.source_key(module, [x[:2], w], options) != key, "shape"
+    renamed = copy.deepcopy(module)
+    for node in renamed.graph.nodes:
+        node.name = f"other_{node.name}"
+    renamed.recompile()
+    assert renamed.code != module.code and inductor.source_key(renamed, [x, w], options) == key, "names"
     assert inductor.source_key(module, [x, w], {"pattern_matcher": True}) != key, "options"
     with torch._inductor.config.patch({"epilogue_fusion": not torch._inductor.config.epilogue_fusion}):
         assert inductor.source_key(module, [x, w], options) != key, "inductor's config"
