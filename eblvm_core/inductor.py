@@ -378,8 +378,8 @@ class Apart:
         payload = os.path.join(self.folder, "parts.pt")
         # this process's threads and inductor config, so the other compiles what this one would; it keeps
         # each part under the key of the module it compiled, which this one finds only where unpickling
-        # gave back the same module (it may not: unpickling traces a GraphModule's code again, which
-        # can fold constants)
+        # gave back the same graph (it may not: unpickling traces a GraphModule's code again, which can
+        # fold constants)
         config = torch._inductor.config.save_config()
         torch.save({"jobs": jobs, "threads": torch.get_num_threads(), "config": config}, payload)
         self.process = subprocess.Popen(
@@ -431,7 +431,8 @@ def idle_cores(since: tuple[float, float | None]) -> float:
     start, idle_start = since
     now, idle_now = core_clock()
     if idle_start is None or idle_now is None or now <= start:
-        return (os.cpu_count() or 1) - os.getloadavg()[0]
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float(os.cpu_count() or 1)  # none: no core idle
+        return (os.cpu_count() or 1) - load
     return (idle_now - idle_start) / (now - start)
 
 
