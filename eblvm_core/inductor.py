@@ -52,6 +52,42 @@ def _starts_repeat(node: Any) -> bool:
     return isinstance(node, Node) and node.target is RANGE_START and node.args[:1] == (REPEATED,)
 
 
+class _Position(int):
+    """A node named by its position: ``%3``, which no literal argument's repr reads as."""
+
+    def __repr__(self) -> str:
+        return f"%{int(self)}"
+
+
+def positional(graph: Graph, root: torch.nn.Module | None = None) -> list[tuple[str, ...]]:
+    """``graph``'s nodes in order as (operation, target, arguments), each node named by its position,
+    not its name (a GraphModule unpickled in another process has the same operations under other
+    names); an attribute that ``root`` holds as the hash of its bytes."""
+    position: dict[Node, _Position] = {}
+    rows: list[tuple[str, ...]] = []
+    for i, node in enumerate(graph.nodes):
+        position[node] = _Position(i)
+        target = node.target
+        if node.op == "placeholder":
+            rows.append(("placeholder",))
+        elif node.op == "get_attr":
+            value = operator.attrgetter(str(target))(root) if root is not None else target
+            held = (
+                hashlib.sha256(value.detach().cpu().numpy().tobytes()).hexdigest()
+                if isinstance(value, Tensor)
+                else value
+            )
+            rows.append(("get_attr", repr(held)))
+        else:
+            if isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+                name = str(target)
+            else:
+                name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+            arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: position[n])
+            rows.append((node.op, name, repr(arguments)))
+    return rows
+
+
 def segments(graph: Graph) -> list[tuple[bool, list[Node]]]:
     """The graph's computing nodes in order (its inputs, constants, output and profiler ranges left out),
     cut where an outermost ``REPEATED`` range starts and ends: a list of (in such a range, nodes)."""
@@ -184,22 +220,12 @@ class Part:
 
     def signature(self) -> tuple:
         """What two parts share when one compiled module computes both: every node's operation and
-        arguments (nodes by position) and the inputs' shapes, strides and dtypes."""
-        index: dict[Node, int] = {}
-        rows: list[tuple] = []
-        for i, node in enumerate(self.graph.nodes):
-            index[node] = i
-            value = node.meta.get("val")
-            if node.op == "placeholder":
-                rows.append(
-                    ("input", tuple(value.shape), value.stride(), value.dtype)
-                    if isinstance(value, Tensor)
-                    else ("input",)
-                )
-            else:
-                arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: ("node", index[a]))
-                rows.append((node.op, str(node.target), repr(arguments)))
-        return tuple(rows)
+        arguments (``positional``) and the inputs' shapes, strides and dtypes."""
+        inputs = tuple(
+            (tuple(value.shape), value.stride(), value.dtype) if isinstance(value, Tensor) else None
+            for value in (node.meta.get("val") for node in self.graph.nodes if node.op == "placeholder")
+        )
+        return inputs, tuple(positional(self.graph))
 
     def module(self, root: torch.nn.Module, positions: Sequence[int]) -> GraphModule:
         """``graph`` as a module (attributes from ``root``) that returns its copies of the nodes at
@@ -299,7 +325,7 @@ def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
 
 def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> str:
     """A hash of what a part's compiled source is made from: the part's graph (every operation and
-    constant, nodes by position: ``_canonical``), each input's shape, strides, offset, dtype and
+    constant, nodes by position: ``positional``), each input's shape, strides, offset, dtype and
     device, the threads (inductor writes parallel loops for them), inductor's config with
     ``options`` applied, the CPU's vector instructions as torch reads them (inductor's own check
     compiles a program, and changes the flags of the kernels compiled after it), torch's version
@@ -308,7 +334,7 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
         config = sorted(torch._inductor.config.save_config_portable().items())
     digest = hashlib.sha256()
     for item in (
-        _canonical(module),
+        positional(module.graph, module),
         *(
             (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device) if isinstance(t, Tensor) else t
             for t in example
@@ -321,35 +347,6 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     ):
         digest.update(repr(item).encode() if not isinstance(item, bytes) else item)
     return digest.hexdigest()[:32]
-
-
-def _canonical(module: GraphModule) -> str:
-    """``module``'s graph as text that names nodes by position, not by name (a GraphModule unpickled
-    in another process has the same operations under other names), with the bytes of any tensor it
-    holds as an attribute."""
-    position: dict[Node, str] = {}
-    rows: list[tuple[str, ...]] = []
-    for i, node in enumerate(module.graph.nodes):
-        position[node] = f"%{i}"
-        target = node.target
-        if node.op == "get_attr":
-            value = operator.attrgetter(str(target))(module)
-            held = (
-                hashlib.sha256(value.detach().cpu().numpy().tobytes()).hexdigest()
-                if isinstance(value, Tensor)
-                else value
-            )
-            rows.append(("get_attr", repr(held)))
-            continue
-        if node.op == "placeholder":
-            name = ""
-        elif isinstance(target, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            name = str(target)
-        else:
-            name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
-        arguments = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: position[n])
-        rows.append((node.op, name, repr(arguments)))
-    return repr(rows)
 
 
 def _cache_folder() -> Path:
