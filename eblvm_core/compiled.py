@@ -149,12 +149,12 @@ DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.addmm.default: small_addmm,
     aten._foreach_norm.Scalar: foreach_norm,
 }
+APART_GRACE_S = 10.0  # seconds the other process may take beyond this one's pace: its start, a loaded machine
 # inductor's pattern rewrites change what a traced BiSSM step computes (its upper-level loss: -0.54
 # against -1.37 eager, from the same state and noise; torch 2.14.1, CPU); the rest of inductor is
 # exact to rounding here (tests/core/test_compiled.py checks every compiled estimator against eager).
 # Tensors keep the layout the eager step gives them (no channels-last convolutions): a part reads what
 # another part returns as the trace saw it (a view of it included).
-APART_GRACE_S = 10.0  # seconds the other process may take beyond this one's pace: its start, a loaded machine
 INDUCTOR = {"pattern_matcher": False, "layout_optimization": False}
 # SIMD loops, for a graph with a tensor above SCALAR_LOOPS_BELOW elements, use the ISA the CPU's flags
 # name, without inductor's trial build of each (seconds on a new machine); scalar loops skip the ISA
@@ -509,9 +509,10 @@ class CompiledStep:
         idle_cores: float,
     ) -> None:
         """Compile each distinct part once (the smaller ones by another process where ``idle_cores``,
-        the cores that stood idle while the step was traced, can run it) and lay out the program a call runs: ``_slots`` (the batch,
-        the state, the draws, the constants, then what parts return), ``_program`` (each part's call,
-        the slots it reads and those it fills) and ``_results`` (the slot or value of each metric)."""
+        the cores that stood idle while the step was traced, can run it) and lay out the program a
+        call runs: ``_slots`` (the batch, the state, the draws, the constants, then what parts
+        return), ``_program`` (each part's call, the slots it reads and those it fills) and
+        ``_results`` (the slot or value of each metric)."""
         graph = module.graph
         leaves = [n for n in graph.nodes if n.op == "placeholder"]
         leaves += [n for n in graph.nodes if n.op == "get_attr"]  # tensors the trace met that are no input
@@ -543,8 +544,8 @@ class CompiledStep:
             size = {key: len(m.graph.nodes) for key, (m, _) in alone.items()}
             largest = max(size, key=size.__getitem__)
             others = [key for key in alone if key != largest]
-            jobs = [(alone[k][0], alone[k][1], inductor_options(alone[k][0].graph)) for k in others]
-            apart = inductor.compile_apart([job for job in jobs if not inductor.is_cached(*job)], idle_cores)
+            jobs = {key: (m, inputs, inductor_options(m.graph)) for key, (m, inputs) in alone.items()}
+            apart = inductor.compile_apart([jobs[k] for k in others if not inductor.is_cached(*jobs[k])], idle_cores)
             try:
                 begin, hits = time.perf_counter(), inductor.cache_hits()
                 for key in [largest, *others]:
@@ -555,10 +556,7 @@ class CompiledStep:
                         cold = inductor.cache_hits() == hits
                         apart.wait(timeout=pace * sum(size[k] for k in others) + APART_GRACE_S if cold else 0.0)
                         apart = None
-                    module_of_part, inputs = alone[key]
-                    compiled[key] = inductor.compile_part(
-                        module_of_part, inputs, inductor_options(module_of_part.graph)
-                    )
+                    compiled[key] = inductor.compile_part(*jobs[key])
                 for part, key in zip(parts, keys):
                     writes = [slots.get(part.nodes[i], discard) for i in sorted(returned[key])]
                     self._program.append((compiled[key], [slots[n] for n in part.inputs], writes))

@@ -81,10 +81,11 @@ class Batches:
 
     The examples of each batch come from ``Shards``. In-memory tensors are indexed on their
     device, the next batches of the epoch, up to BLOCK_BYTES of them, in one indexing (a small
-    model's step is over before a batch's own indexing would be); a Dataset is read by ``data.workers`` DataLoader processes (pinned memory and
-    non-blocking copies on CUDA). The random augmentation of each batch uses a generator
-    seeded from (seed, epoch, batch, rank), so batches do not depend on workers, resumes or
-    timing. ``state_dict`` is (epoch, batches consumed in it).
+    model's step is over before a batch's own indexing would be); a Dataset is read by
+    ``data.workers`` DataLoader processes (pinned memory and non-blocking copies on CUDA). The
+    random augmentation of each batch uses a generator seeded from (seed, epoch, batch, rank), so
+    batches do not depend on workers, resumes or timing. ``state_dict`` is (epoch, batches
+    consumed in it).
     """
 
     def __init__(
