@@ -5,8 +5,10 @@ compiled step takes the step the eager code takes."""
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -276,3 +278,21 @@ def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what
     third = compiled_result(w)
     torch.testing.assert_close(third[0], expected)
     assert "def call" in path.read_text(), "compiled again and written over"
+
+
+def test_idle_cores_leave_out_a_core_this_process_keeps_busy_and_fall_back_to_the_load_average(monkeypatch):
+    """Over a stretch this process spins through, at most cpu_count − 1 cores (and a little for the
+    clock's ticks) stood idle; without /proc/stat the reading is cpu_count − the last minute's load."""
+    since = inductor.core_clock()
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        pass
+    cores = os.cpu_count() or 1
+    assert 0 <= inductor.idle_cores(since) <= cores - 1 + 0.2
+
+    def no_stat(*args, **kwargs):
+        raise OSError("no /proc/stat here")
+
+    monkeypatch.setattr("builtins.open", no_stat)
+    monkeypatch.setattr(inductor.os, "getloadavg", lambda: (0.75, 0.5, 0.25))
+    assert inductor.idle_cores(inductor.core_clock()) == cores - 0.75
