@@ -314,7 +314,7 @@ def dry_run(recipe: Recipe | str | Path, overrides: Sequence[str] = (), check_da
         recipe = load_recipe(recipe, overrides)
     check_loggers(recipe)
     with torch.random.fork_rng(devices=[]):
-        plan_for(recipe, dry_run=not check_data)  # what run would refuse of the device, on this machine
+        plan = plan_for(recipe, dry_run=not check_data)  # what run would refuse of the device, on this machine
         ckpt.seed_everything(recipe.run.seed or 0)
-        built = build(recipe, "cpu", dry_run=not check_data)
+        built = build(recipe, plan if plan.device.type == "cpu" else "cpu", dry_run=not check_data)
     return list(dict.fromkeys(built.parts.warnings))

@@ -12,6 +12,7 @@ small model one CPU thread. ``Sizes`` carries those counts to the plan.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import typing
 from collections.abc import Callable, Iterator
@@ -222,6 +223,7 @@ def make_plan(
     ``launch``; ``sizes`` counts the networks' parameters, asked only where a decision needs them.
     A ConfigError names [run] device when the device is not available."""
     machine = Machine.here() if machine is None else machine
+    sizes = functools.cache(sizes)  # counted once, however many decisions ask
     run = recipe.run
     try:
         device = _device(run.device, machine, launch)
