@@ -18,7 +18,8 @@ alike, ``--block`` steps of each of:
 
 Reported: the median of each, eager / compiled, loop / graph, the compile times (the trace, then
 inductor) and the largest relative difference between one compiled and one eager step from the
-same state and seed (float rounding). An estimator that does not compile is listed with why.
+same state and seed (float rounding). An estimator that does not compile is listed with why, its
+eager step timed in the first process.
 Frey-face size uses a random stand-in of the data file; digits, scikit-learn's.
 """
 
@@ -77,9 +78,10 @@ def frey_stand_in(folder: Path) -> Path:
     return folder
 
 
-def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads: int) -> dict:
+def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads: int, cold: bool) -> dict:
     """In this process: build the case with its step compiled (timed), check one compiled step
-    against one eager step, then time the four kinds of step in interleaved rounds."""
+    against one eager step, then time the four kinds of step in interleaved rounds (``cold``: one
+    step of each, the compile being what is measured; a step that does not compile is timed anyway)."""
     import torch
 
     import eblvm
@@ -99,6 +101,7 @@ def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads:
         compiled = None
     else:
         compiled = prepared.compiled
+        rounds, block = (1, 1) if cold else (rounds, block)
         result = {
             "compile_s": time.perf_counter() - start,
             "trace_s": compiled.trace_s,
@@ -140,10 +143,10 @@ def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads:
     return result
 
 
-def run_case(recipe: str, overrides: list[str], cache: Path, rounds: int, block: int, threads: int) -> dict:
+def run_case(recipe: str, overrides: list[str], cache: Path, rounds: int, block: int, threads: int, cold: bool) -> dict:
     """``measure`` in a new process whose inductor cache is ``cache``."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    args = [sys.executable, __file__, "--one", json.dumps([recipe, overrides, rounds, block, threads])]
+    args = [sys.executable, __file__, "--one", json.dumps([recipe, overrides, rounds, block, threads, cold])]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -163,7 +166,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="two small checkerboard cases, one round of one step")
     parser.add_argument(
         "--one", help=argparse.SUPPRESS
-    )  # a case in this process: [recipe, overrides, rounds, block, threads]
+    )  # a case in this process: [recipe, overrides, rounds, block, threads, cold]
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(*json.loads(args.one))))
@@ -184,8 +187,11 @@ def main() -> None:
             overrides = overrides + (frey if size == "frey" else [])
             block = max(1, args.block // 10) if size != "checkerboard" else args.block
             cache = Path(tmp) / f"inductor-{i}"
-            cold = run_case(recipe, overrides, cache, 1, 1, args.threads)
-            warm = run_case(recipe, overrides, cache, args.rounds, block, args.threads)
+            cold = run_case(recipe, overrides, cache, args.rounds, block, args.threads, cold=True)
+            if "refused" in cold:  # timed eagerly already: there is no warm compile
+                warm = cold
+            else:
+                warm = run_case(recipe, overrides, cache, args.rounds, block, args.threads, cold=False)
             rows.append((size, name, cold, warm))
             print(size, name, json.dumps({"cold": cold, "warm": warm}), flush=True)
     if args.out:
