@@ -34,7 +34,7 @@ update, measured on one NVIDIA H100 80GB (torch 2.11, batch 100), and this proje
 that card: the ratio column means something only on an H100.
 
 ``--smoke`` shrinks every case (batch 4, one thread; ResNets of width 8 with one block per stage; BiDVL's nets
-of base 8), times 2 steps after 1 of warm-up and multiplies a ``--peak`` product down to 256 × 256:
+of base 8; one lower-level step), times 2 steps after 1 of warm-up and multiplies a ``--peak`` product down to 256 × 256:
 every case builds and steps in seconds on a CPU, and the numbers mean nothing.
 """
 
@@ -132,8 +132,10 @@ SMOKE = False  # --smoke: every case shrunk by ``tiny``
 
 def tiny(raw: dict) -> list[str]:
     """Overrides that shrink a deep recipe to seconds on a CPU: batch 4, one thread, ResNets of width 8
-    with one block per stage, BiDVL's energy, encoder and generator of base 8."""
+    with one block per stage, BiDVL's energy, encoder and generator of base 8, one lower-level step."""
     overrides = ["run.batch_size=4", "run.threads=1"]
+    if "inner_steps" in raw.get("estimator", {}):
+        overrides.append("estimator.inner_steps=1")
     if str(raw["model"]["kind"]).startswith("resnet"):
         overrides += ['model.preset="custom"', "model.width=8", "model.blocks=1"]
     overrides += [
