@@ -205,7 +205,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     """SIGTERM mid-trial: the run writes its checkpoint, the trial is queued again with its values,
     and the next ``eblvm search`` resumes that run directory, which ends as an uninterrupted run."""
     pytest.importorskip("optuna", reason=NO_OPTUNA)
-    spec, out = write_spec(tmp_path, n_trials=1, steps=600, pruner="none", options="{}"), tmp_path / "res"
+    spec, out = write_spec(tmp_path, n_trials=1, steps=300, pruner="none", options="{}"), tmp_path / "res"
     first = eblvm(["search", spec, "--out", out], tmp_path)
     deadline = time.time() + 300
     while time.time() < deadline and not list(out.glob("runs/trial-0000/*/checkpoints/last.pt")):
@@ -216,7 +216,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     assert "trial 0 is queued again" in output.splitlines()[-1], output
     (run_dir,) = trial_runs(out)["trial-0000"]
     stopped_at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
-    assert stopped_at < 600, "the trial finished before the signal; the test proves nothing"
+    assert stopped_at < 300, "the trial finished before the signal; the test proves nothing"
     trials = study(out).trials
     assert [t.state.name for t in trials] == ["FAIL", "WAITING"] and trials[1].params == trials[0].params
 
@@ -229,7 +229,7 @@ def test_a_trial_stopped_by_a_signal_resumes_its_run_in_the_next_command(tmp_pat
     assert trial_runs(out) == {"trial-0000": [run_dir]}  # the same run, continued
     # what the first trial reported is inherited, the resumed run reports the rest: every evaluation once
     assert trials[0].intermediate_values.items() <= trials[1].intermediate_values.items()
-    assert sorted(trials[1].intermediate_values) == list(range(20, 600, 20))
+    assert sorted(trials[1].intermediate_values) == list(range(20, 300, 20))
     assert "| 0 | stopped, resumed as trial 1 |" in (out / "table.md").read_text()
     sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
     assert [(s["status"], s["from_step"]) for s in sessions] == [("interrupted", 0), ("finished", stopped_at)]
