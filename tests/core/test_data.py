@@ -73,7 +73,7 @@ def take(batches: Batches, n: int) -> list[torch.Tensor]:
     return [batches.next() for _ in range(n)]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # 2: DataLoader processes
 def test_batches_are_reproducible_per_seed_epoch_rank_and_shard_the_global_batch(image_root, workers):
     root, _ = image_root
     data = folder_data(root, workers=workers, flip=True, dequantize=True)

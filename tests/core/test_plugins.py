@@ -130,6 +130,7 @@ def test_third_party_plugin_registers_through_the_entry_point_group(tmp_path):
     assert "scale: float = 0.5  multiplier" in proc.stdout
 
 
+@pytest.mark.slow
 def test_load_plugins_pins_the_set(eblvm, tmp_path):
     proc = eblvm(["plugins"], None, EBLVM_LOAD_PLUGINS="toy,grbm")
     names = [line.split()[0] for line in proc.stdout.splitlines() if line and not line.startswith(" ")]

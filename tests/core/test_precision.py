@@ -249,7 +249,7 @@ def check_bf16_step(case: str, device: torch.device) -> None:
     assert "bf16" in estimator.precisions  # what this test shows, the estimator declares
 
 
-@pytest.mark.parametrize("case", ["BiMDSM", "VaGES-MDSM", "BiDVL"])
+@pytest.mark.parametrize("case", ["BiMDSM", "VaGES-MDSM", pytest.param("BiDVL", marks=pytest.mark.slow)])
 def test_bf16_deep_steps_agree_with_fp32(case):
     check_bf16_step(case, torch.device("cpu"))
 
@@ -323,6 +323,7 @@ def applied_step_updates(region, seed: int) -> dict[str, torch.Tensor]:
     return {name: flat(role) - before[name] for name, role in roles.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 4])
 def test_a_bf16_step_takes_each_lower_step_at_the_updated_posterior(seed):
     """A whole bf16 BiMDSM step, its five lower-level updates of φ applied, changes φ as the fp32

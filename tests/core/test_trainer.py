@@ -152,6 +152,7 @@ def test_the_stop_step_depends_on_the_patience(cli, write_recipe, tmp_path, scri
     assert ("stopped early at step" in result.output) == bool(stop)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_counting_evaluations_without_improvement(cli, write_recipe, tmp_path, scripted):
     """patience = 3 in two sessions: 80 steps (its final evaluation at 80 is the second without
     improvement since 60), then resumed to 100: the stop comes at 90 as in one session, with the

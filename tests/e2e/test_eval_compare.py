@@ -83,6 +83,7 @@ def test_best_checkpoint_holds_the_best_validation_value(cli, tiny_run):
     assert last["checkpoint"] == "best" and last["step"] == best["step"]
 
 
+@pytest.mark.slow
 def test_eval_reruns_the_recipes_evaluators_on_the_last_checkpoint(cli, tiny_run):
     final = [r for r in records(tiny_run) if r["step"] == 30 and "eval/exact-loglik/test_loglik" in r][-1]
     result = cli(["eval", tiny_run, "--device", "cpu"])

@@ -399,6 +399,7 @@ def test_comparison_specs_validate(spec, monkeypatch):
     assert len(loaded.methods) >= 2
 
 
+@pytest.mark.slow
 def test_seed_offset_trains_the_named_seeds(cli, tmp_path):
     """--seed-offset 3 --seeds 1 trains seed 3 only, and its model is the one `run` trains with
     run.seed=3 (and not seed 0's)."""

@@ -88,6 +88,7 @@ def test_a_2x2_grid_runs_in_parallel_tabulates_four_rows_and_reruns_nothing(cli,
     assert trained == [] and (out / "table.md").read_text() == table
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_and_only_takes_a_row_or_a_method(grid_spec, tmp_path, monkeypatch):
     """Killed while training the third point at step 6 of 12: --only naming that row continues it
     alone (to the parameters of an uninterrupted run), --only naming the method trains what is

@@ -244,6 +244,7 @@ def test_score_loss_exact_trace_equals_the_grbm_closed_form():
     )
 
 
+@pytest.mark.slow
 def test_hutchinson_trace_is_unbiased():
     model = random_grbm(d=6, m=4)
     v = torch.randn(3, 6, dtype=torch.float64)

@@ -212,6 +212,7 @@ def test_ksd_kernel_matches_its_definition():
     torch.testing.assert_close(ksd.stein_kernel(x, s, y, t), ksd_by_autograd(x, s, y, t, 0.7))
 
 
+@pytest.mark.slow
 def test_ksd_is_zero_for_the_true_score_and_positive_otherwise():
     torch.manual_seed(0)
     x = torch.randn(2000, 2)
@@ -359,6 +360,7 @@ class LinearGaussian(EnergyModel):
         return (v @ self.W + self.c) / self.d
 
 
+@pytest.mark.slow
 def test_the_langevin_correction_descends_the_energy_in_h():
     """Without noise, C steps h ← h − ½α∇_h E contract h − μ(v) by (1 − ½α d_j)^C exactly; with
     noise s = √α they are an (unadjusted) Langevin sampler that keeps p(h|v) = N(μ, D⁻¹) (to O(α))."""
@@ -381,6 +383,7 @@ def test_the_langevin_correction_descends_the_energy_in_h():
     torch.testing.assert_close(variance, 1 / model.d, rtol=0.05, atol=0)
 
 
+@pytest.mark.slow
 def test_the_critics_hutchinson_trace_is_unbiased_above_the_exact_trace_dimension():
     """d = 20 > 16 = exact_trace_max_dim: the probe's E[uᵀ∇(uᵀf)] is tr ∇f, so the critic's
     objective averaged over probes equals the exact-trace objective."""
