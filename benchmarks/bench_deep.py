@@ -34,8 +34,8 @@ update, measured on one NVIDIA H100 80GB (torch 2.11, batch 100), and this proje
 that card: the ratio column means something only on an H100.
 
 ``--smoke`` shrinks every case (batch 4, one thread; ResNets of width 8 with one block per stage; BiDVL's nets
-of base 8; one lower-level step), times 2 steps after 1 of warm-up and multiplies a ``--peak`` product down to 256 × 256:
-every case builds and steps in seconds on a CPU, and the numbers mean nothing.
+of base 8; one lower-level step), times 2 steps after 1 of warm-up and multiplies a ``--peak`` product
+down to 256 × 256: every case builds and steps in seconds on a CPU, and the numbers mean nothing.
 """
 
 from __future__ import annotations
