@@ -288,7 +288,7 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
     the same part only loads it (its kernels then come from inductor's own cache)."""
     global _sources_read
     with torch._inductor.config.patch(options):  # loading the module builds its kernels with the same flags
-        path = _cache_folder() / f"{source_key(module, example, options)}.py"
+        path = _source_path(module, example, options)
         if path.is_file():
             try:
                 call = torch._inductor.load_from_python(path.read_text())
@@ -304,7 +304,12 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
 
 def is_cached(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> bool:
     """Whether ``compile_part`` would find the part's source in the cache folder."""
-    return (_cache_folder() / f"{source_key(module, example, options)}.py").is_file()
+    return _source_path(module, example, options).is_file()
+
+
+def _source_path(module: GraphModule, example: Sequence[Tensor], options: dict[str, Any]) -> Path:
+    """Where the part's compiled source is kept: the cache folder, under its ``source_key``."""
+    return _cache_folder() / f"{source_key(module, example, options)}.py"
 
 
 def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
