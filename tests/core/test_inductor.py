@@ -246,6 +246,7 @@ def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what
         torch.testing.assert_close(got[1], expected_w)
 
     key = inductor.source_key(module, [x, w], options)
+    assert [p.name for p in (tmp_path / "eblvm").glob("*.py")] == [f"{key}.py"], "kept under its key"
     assert inductor.source_key(module, [x, w.t().contiguous().t()], options) != key, "strides"
     assert inductor.source_key(module, [x[:2], w], options) != key, "shape"
     renamed = copy.deepcopy(module)
