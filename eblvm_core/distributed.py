@@ -23,11 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from eblvm_core.rundir import STORE_FD
+
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size: a ResNet-18's float32 gradients travel in two all-reduces
 TIMEOUT = datetime.timedelta(minutes=60)  # ranks > 0 wait this long for rank 0's evaluations and checkpoints
 _local = False  # inside ``local()``: collectives off
 _groups_torn_down = 0  # process groups this process has left
 _joined = False  # whether ``process_group`` made this process a rank of a process group
+_served_store: Any = None  # rank 0 of ``eblvm run --nproc-per-node``: the store it serves, kept while the process lives
 
 
 def active() -> bool:
@@ -56,6 +59,7 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cuda = device.type == "cuda"
+    serve_store()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT, device_id=device if cuda else None)
     global _joined
     _joined = True
@@ -71,6 +75,25 @@ def process_group(device: torch.device) -> Iterator[torch.device]:
         dist.destroy_process_group()
         raise
     leave_process_group()
+
+
+def serve_store() -> None:
+    """Rank 0 of ``eblvm run --nproc-per-node`` (``STORE_FD`` in its environment): serve the
+    rendezvous store on the socket the launcher bound and passed on. Every rank, this one too,
+    then joins it as a client at MASTER_ADDR:MASTER_PORT, as under torchrun's agent. Elsewhere:
+    nothing."""
+    global _served_store
+    fd = os.environ.pop(STORE_FD, None)  # popped: a process this one starts does not inherit the claim
+    if fd is None or _served_store is not None:
+        return
+    _served_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=int(fd),
+        timeout=TIMEOUT,
+    )
 
 
 def was_a_rank() -> bool:

@@ -1,8 +1,9 @@
 """``eblvm run --nproc-per-node N``: N training processes on this machine, started and watched by
 the ``eblvm`` process itself (torchrun's environment without its agent).
 
-The parent holds the rendezvous store (a TCP store on a free port, so two launches never race
-for a port), starts ``python -m eblvm run ...`` once per rank in a process group of their own,
+The parent binds the rendezvous store's socket (a free port, so two launches never race for a
+port) and hands it to rank 0, which serves the store on it: the parent itself never imports torch.
+It starts ``python -m eblvm run ...`` once per rank in a process group of their own,
 and forwards SIGINT and SIGTERM to them: a terminal's Ctrl-C reaches each rank exactly once,
 through the parent, and the ranks agree to write a checkpoint and stop (exit 130). A second
 Ctrl-C stops every rank at once and says how to resume. The parent prints nothing else and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,15 +25,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from eblvm_core.rundir import COMMAND, LOCK, RUN_DIR_FILE, Provenance
+from eblvm_core.rundir import COMMAND, LOCK, RUN_DIR_FILE, STORE_FD, Provenance
 
 GRACE_SECONDS = 10.0  # once one rank has failed, how long the others may take to stop on their own
 
 
-def worker_environment(rank: int, world: int, port: int, threads: int, run_dir_file: str) -> dict[str, str]:
-    """The environment of rank ``rank``: what torchrun sets for one machine, the store served by
-    the parent (``TORCHELASTIC_USE_AGENT_STORE``), the CPU threads per process unless
-    OMP_NUM_THREADS is set, and the command line as typed."""
+def worker_environment(
+    rank: int, world: int, port: int, threads: int, run_dir_file: str, store_fd: int | None = None
+) -> dict[str, str]:
+    """The environment of rank ``rank``: what torchrun sets for one machine, every rank a client of
+    the store on ``port`` (``TORCHELASTIC_USE_AGENT_STORE``) that rank 0 serves on the socket
+    ``store_fd`` (``STORE_FD``), the CPU threads per process unless OMP_NUM_THREADS is set, and
+    the command line as typed."""
     env = dict(os.environ)
     env.update(
         RANK=str(rank),
@@ -45,6 +50,9 @@ def worker_environment(rank: int, world: int, port: int, threads: int, run_dir_f
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
+    env.pop(STORE_FD, None)
+    if store_fd is not None:
+        env[STORE_FD] = str(store_fd)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     env[COMMAND] = shlex.join(sys.argv)
     env[RUN_DIR_FILE] = run_dir_file
@@ -71,20 +79,21 @@ def resume_command(run_dir: Path, world: int) -> str:
 def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> int:
     """Train with ``world`` processes of ``python -m eblvm run RUN_ARGS``; returns the exit code
     to leave with (the ranks' code; 130 after a second Ctrl-C)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=max(128, world))
+    port, fd = listener.getsockname()[1], listener.fileno()
     with tempfile.TemporaryDirectory(prefix="eblvm-launch-") as tmp:
         run_dir_file = str(Path(tmp) / "run_dir")
         threads = threads_per_process(world)
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "eblvm", "run", *run_args],
-                env=worker_environment(rank, world, store.port, threads, run_dir_file),
-                process_group=0,
-            )
-            for rank in range(world)
-        ]
+        with listener:  # rank 0 holds the socket from here on; ranks that connect first wait in its backlog
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-m", "eblvm", "run", *run_args],
+                    env=worker_environment(rank, world, port, threads, run_dir_file, fd if rank == 0 else None),
+                    pass_fds=(fd,) if rank == 0 else (),
+                    process_group=0,
+                )
+                for rank in range(world)
+            ]
         signals: list[int] = []
 
         def forward(signum: int, _frame: Any) -> None:
@@ -105,7 +114,6 @@ def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> i
             for sig, old in previous.items():
                 signal.signal(sig, old)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # shutting down: a further Ctrl-C changes nothing
-        del store
         if signals.count(signal.SIGINT) > 1:
             where = resume or _read(run_dir_file)
             if where:  # the ranks could not tidy up themselves

@@ -36,6 +36,7 @@ METRICS = "metrics.jsonl"
 RECIPE = "recipe.toml"
 COMMAND = "EBLVM_COMMAND"  # set by ``eblvm run --nproc-per-node``: the command line as typed, for run.json
 RUN_DIR_FILE = "EBLVM_RUN_DIR_FILE"  # set by it too: where rank 0 says which run directory it trains
+STORE_FD = "EBLVM_STORE_FD"  # set by it for rank 0: the inherited listening socket rank 0 serves the store on
 
 
 def new_run_dir(out: str | Path, name: str) -> Path:

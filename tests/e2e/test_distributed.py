@@ -194,7 +194,8 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     """4 steps in float64 with the random draws a function of each data point (tests/support/fixed_noise.py):
     the parameters after every step equal those of one process to 1e-14 (the gap is 1e-17 or
     less), the gradient norms of every role to 1e-12 relative; rank 0 alone wrote the run
-    directory; each rank kept its own random stream."""
+    directory; each rank kept its own random stream; the launching process never imported torch
+    (rank 0 serves the rendezvous store)."""
     steps = 4
     recipe = write_recipe(
         tmp_path / "recipe.toml",
@@ -206,14 +207,18 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
         **RECIPES[name],
     )
 
-    command = [sys.executable, "-m", "eblvm", "run", recipe, "--nproc-per-node", "2", "--out", tmp_path / "two"]
+    command = [sys.executable, "-X", "importtime", "-m", "eblvm", "run", recipe, "--nproc-per-node", "2"]
+    command += ["--out", tmp_path / "two"]  # the launching process lists its imports (the ranks do not)
     two = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     from tests.support import session_run as run  # the one process: this one, while the two train
 
     run(recipe, out=tmp_path / "one", echo=lambda _line: None)
-    output = two.communicate(timeout=TIMEOUT)[0].decode()
+    lines = two.communicate(timeout=TIMEOUT)[0].decode().splitlines()
+    imported = [line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")]
+    output = "\n".join(line for line in lines if not line.startswith("import time:"))
     assert two.returncode == 0, output
     assert output.count("done: ") == 1 and "2 processes" in output
+    assert "eblvm_core.processes" in imported and "torch" not in imported, "the launching process imported torch"
 
     one_dir, two_dir = only_run_dir(tmp_path / "one"), only_run_dir(tmp_path / "two")
     expected, got = parameters_by_step(one_dir), parameters_by_step(two_dir)
