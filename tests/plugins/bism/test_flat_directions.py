@@ -396,7 +396,7 @@ def test_what_the_partial_derivative_misses_is_sm_s_trace_term_through_q(couplin
     grad_weight, grad_bias = torch.autograd.grad(
         SM().loss(modified_score(model, posterior), x, None).mean(), [weight, bias]
     )
-    u = (torch.arange(1000, dtype=F64) + 0.5) / 1000  # quadrature over the relaxed draw's uniform
+    u = (torch.arange(250, dtype=F64) + 0.5) / 250  # midpoint rule over the relaxed draw's uniform (1e-5 relative)
     with torch.no_grad():
         h = torch.sigmoid((posterior.logits(x).unsqueeze(-1) + torch.logit(u)) / posterior.temperature)
         closed_form = (h * (1 - h)).mean((0, 2))[:, None] / posterior.temperature * weight
