@@ -9,16 +9,23 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
-from typer.testing import CliRunner
 
-from tests.support import SMALL_RECIPE, train_small
 
-pytest_plugins = ["eblvm.testing"]  # the plugin kit's fixtures (short_run, tiny_grbm, linear_gaussian)
+def pytest_configure(config: pytest.Config) -> None:
+    """In each process that runs tests: one CPU thread (the tests' tensors are tiny; more would
+    oversubscribe a small CI machine) and the plugin kit's fixtures (short_run, tiny_grbm,
+    linear_gaussian), as ``pytest_plugins = ["eblvm.testing"]`` loads them. pytest-xdist's
+    controlling process only hands tests out: it skips both, so the workers start without
+    waiting for it to import torch (3 s sooner on 2 cores)."""
+    controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+    if controller and config.getoption("tx", None) and not config.getoption("collectonly"):
+        return
+    import torch
 
-# The tests' tensors are tiny: one thread avoids oversubscribing a small CI machine.
-torch.set_num_threads(1)
+    torch.set_num_threads(1)
+    config.pluginmanager.import_plugin("eblvm.testing")
+
 
 # Property tests: no deadline (a shared 2-core machine times an example anywhere from 1x to 10x),
 # the failing example printed in full; HYPOTHESIS_PROFILE=thorough tries ten times as many.
@@ -33,6 +40,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))
 def write_recipe(tmp_path: Path):
     """write_recipe(text, name="r.toml") -> path of a recipe file in tmp_path."""
 
+    from tests.support import SMALL_RECIPE
+
     def write(text: str = SMALL_RECIPE, name: str = "r.toml") -> Path:
         path = tmp_path / name
         path.write_text(textwrap.dedent(text))
@@ -44,6 +53,8 @@ def write_recipe(tmp_path: Path):
 @pytest.fixture
 def cli():
     """invoke(args) -> click Result of the eblvm app, with the plugins' commands, in-process."""
+    from typer.testing import CliRunner
+
     from eblvm_core.cli import add_plugin_commands, app
 
     add_plugin_commands(echo=lambda _line: None)
@@ -56,6 +67,8 @@ def cli():
 def trained(tmp_path_factory) -> Path:
     """A finished 30-step run of the small recipe (checkpoints at 10, 20, 30; none kept, no best),
     trained once per test module."""
+    from tests.support import train_small
+
     return train_small(tmp_path_factory.mktemp("trained"))
 
 
