@@ -26,6 +26,7 @@ Frey-face size uses a random stand-in of the data file; digits, scikit-learn's.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -216,9 +217,8 @@ def table(rows: list[tuple[str, str, dict, dict]], args: argparse.Namespace) -> 
                 f"{warm['loop_ms'] / warm['graph_ms']:.2f} | {cold['compile_s']:.1f} | {warm['compile_s']:.1f} | "
                 f"{warm['difference']:.1e} |"
             )
-    import torch
-
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    torch = importlib.metadata.version("torch")  # this process only starts the cases: it needs no torch itself
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch}"
     note = (
         f"Machine: {machine}; {args.threads} CPU thread(s). Median step over {args.rounds} interleaved rounds "
         "(eager, compiled, graph, loop, on the same state); compile times include the trace."
