@@ -331,6 +331,7 @@ def toml_file(folder: Path, name: str, data: dict, include: list[str] = ()) -> N
 recipe_shapes = strategies.shapes.filter(lambda shape: not set(shape) & set(COMPOSE))
 
 
+@pytest.mark.slow  # 2-3 s: three recipe-shaped files per example
 @pytest.mark.property
 @settings(max_examples=50)
 @given(data=st.data(), shape=recipe_shapes)

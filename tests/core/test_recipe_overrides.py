@@ -305,6 +305,7 @@ override_like = st.builds(
 )
 
 
+@pytest.mark.slow  # 1.7-1.9 s in all
 @pytest.mark.property
 @settings(max_examples=500)  # cheap examples: enough to reach each branch of the grammar
 @given(text=st.one_of(strategies.texts, override_like, st.from_regex(r"~?[a-z0-9.~=_ ]{0,20}(=.*)?", fullmatch=True)))

@@ -231,6 +231,7 @@ def test_a_run_that_meets_a_damaged_image_stops_in_one_line(cli, write_recipe, t
     assert "eblvm run --resume" in line, line
 
 
+@pytest.mark.slow  # starts a DataLoader worker process: 5 s where no earlier test started its pool
 def test_a_run_that_meets_a_damaged_image_in_a_worker_stops_in_one_line(cli, write_recipe, tmp_path, image_root):
     damaged = cut(image_root / "train" / "img007.png", 0.5)
     recipe = write_recipe(FOLDER_RECIPE.format(root=image_root))
