@@ -217,8 +217,8 @@ def table(rows: list[tuple[str, str, dict, dict]], args: argparse.Namespace) -> 
                 f"{warm['loop_ms'] / warm['graph_ms']:.2f} | {cold['compile_s']:.1f} | {warm['compile_s']:.1f} | "
                 f"{warm['difference']:.1e} |"
             )
-    torch = importlib.metadata.version("torch")  # this process only starts the cases: it needs no torch itself
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch}"
+    torch_version = importlib.metadata.version("torch")  # this process only starts the cases: no torch import
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch_version}"
     note = (
         f"Machine: {machine}; {args.threads} CPU thread(s). Median step over {args.rounds} interleaved rounds "
         "(eager, compiled, graph, loop, on the same state); compile times include the trace."

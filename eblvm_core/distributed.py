@@ -83,8 +83,8 @@ def serve_store() -> None:
     then joins it as a client at MASTER_ADDR:MASTER_PORT, as under torchrun's agent. Elsewhere:
     nothing."""
     global _served_store
-    fd = os.environ.pop(STORE_FD, None)  # popped: a process this one starts does not inherit the claim
-    if fd is None or _served_store is not None:
+    fd = os.environ.pop(STORE_FD, None)  # popped: served once, and not inherited by a process this one starts
+    if fd is None:
         return
     _served_store = dist.TCPStore(
         os.environ["MASTER_ADDR"],
