@@ -18,9 +18,9 @@ def pytest_configure(config: pytest.Config) -> None:
     linear_gaussian), as ``pytest_plugins = ["eblvm.testing"]`` loads them. pytest-xdist's
     controlling process only hands tests out: it skips both, so the workers start without
     waiting for it to import torch (3 s sooner on 2 cores)."""
-    controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
-    if controller and config.getoption("tx", None) and not config.getoption("collectonly"):
-        return
+    distributes = config.getoption("dist", "no") != "no" and config.getoption("tx", None)  # as xdist decides
+    if distributes and not hasattr(config, "workerinput") and not config.getoption("collectonly"):
+        return  # the controlling process
     import torch
 
     torch.set_num_threads(1)
