@@ -39,6 +39,9 @@ from eblvm_core.bilevel import REPEATED
 # hold at least this many graph nodes: below it the second compile (its C++ header above all) costs
 # more than the nodes it saves (docs/benchmarks.md).
 REPEATS_WORTH_CUTTING = 200
+# Inductor settings that change how a part's kernels are built, not what they compute: left out of
+# its key, so a part compiled before the machine had the precompiled header is read after it has.
+BUILD_ONLY = {"cpp_cache_precompile_headers"}
 
 RANGE_START = torch.ops.profiler._record_function_enter_new.default
 
@@ -332,11 +335,11 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     """A hash of what a part's compiled source is made from: the part's graph (every operation and
     constant, nodes by position: ``positional``), each input's shape, strides, offset, dtype and
     device, the threads (inductor writes parallel loops for them), inductor's config with
-    ``options`` applied, the CPU's vector instructions as torch reads them (inductor's own check
+    ``options`` applied (but for ``BUILD_ONLY``), the CPU's vector instructions as torch reads them (inductor's own check
     compiles a program, and changes the flags of the kernels compiled after it), torch's version
     and this module's own source (``preallocated`` rewrites what inductor wrote)."""
     with torch._inductor.config.patch(options):
-        config = sorted(torch._inductor.config.save_config_portable().items())
+        config = sorted((k, v) for k, v in torch._inductor.config.save_config_portable().items() if k not in BUILD_ONLY)
     digest = hashlib.sha256()
     for item in (
         positional(module.graph, module),
@@ -352,6 +355,15 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     ):
         digest.update(repr(item).encode() if not isinstance(item, bytes) else item)
     return digest.hexdigest()[:32]
+
+
+def header_precompiled() -> bool:
+    """Whether this machine holds a C++ header inductor precompiled (``*.gch`` in its folder for
+    them, which is outside the cache folder and kept across runs). One built for other compiler
+    flags (another torch, vector instructions) is not used: inductor builds the one it needs."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return any(Path(default_cache_dir(), "precompiled_headers").glob("*.gch"))
 
 
 def _cache_folder() -> Path:

@@ -255,6 +255,9 @@ def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what
     renamed.recompile()
     assert renamed.code != module.code and inductor.source_key(renamed, [x, w], options) == key, "names"
     assert inductor.source_key(module, [x, w], {"pattern_matcher": True}) != key, "options"
+    for header in (False, True):
+        built = {**options, "cpp_cache_precompile_headers": header}
+        assert inductor.source_key(module, [x, w], built) == key, "how the kernels are built"
     with torch._inductor.config.patch({"epilogue_fusion": not torch._inductor.config.epilogue_fusion}):
         assert inductor.source_key(module, [x, w], options) != key, "inductor's config"
     threads = torch.get_num_threads()
@@ -279,6 +282,27 @@ def test_a_part_compiled_again_is_read_from_the_cache_folder_under_a_key_of_what
     third = compiled_result(w)
     torch.testing.assert_close(third[0], expected)
     assert "def call" in path.read_text(), "compiled again and written over"
+
+
+def test_the_precompiled_header_is_read_by_a_graph_of_many_kernels_or_once_the_machine_has_it(monkeypatch, tmp_path):
+    """A graph with a library call between its operations reads inductor's precompiled C++ header;
+    a graph of one fused kernel reads it only where the machine holds one (``*.gch`` in inductor's
+    folder for them, outside the cache folder)."""
+    monkeypatch.setattr("torch._inductor.runtime.cache_dir_utils.default_cache_dir", lambda: str(tmp_path))
+    fused = make_fx(lambda x: (x.tanh() * 2).sum())(torch.randn(4, 3)).graph
+    library = make_fx(lambda x, w: (x @ w).tanh().sum())(torch.randn(4, 3), torch.randn(3, 2)).graph
+    assert not inductor.header_precompiled()
+    assert [compiled_module.inductor_options(g)["cpp_cache_precompile_headers"] for g in (fused, library)] == [
+        False,
+        True,
+    ]
+    headers = tmp_path / "precompiled_headers"
+    headers.mkdir()
+    (headers / "abc.h").write_text("#include <torch/csrc/inductor/cpp_prefix.h>\n")
+    assert not inductor.header_precompiled(), "a header not yet built"
+    (headers / "abc.h.gch").write_bytes(b"")
+    assert inductor.header_precompiled()
+    assert compiled_module.inductor_options(fused)["cpp_cache_precompile_headers"]
 
 
 def test_idle_cores_leave_out_a_core_this_process_keeps_busy_and_fall_back_to_the_load_average(monkeypatch):
