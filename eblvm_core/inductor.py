@@ -33,7 +33,9 @@ import torch
 from torch import Tensor
 from torch.fx import Graph, GraphModule, Node
 
+from eblvm_core import kernel_library
 from eblvm_core.bilevel import REPEATED
+from eblvm_core.kernel_library import one_library
 
 # A run of identical repeats is compiled once and called each time when the repeats after the first
 # hold at least this many graph nodes: below it the second compile (its C++ header above all) costs
@@ -299,7 +301,7 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
                 return call
             except Exception:  # a file cut short, a kernel that no longer builds: compiled again below
                 pass
-        source = preallocated(_compiled_source(module, example))
+        source = one_library(preallocated(_compiled_source(module, example)))
         call = torch._inductor.load_from_python(source)
         _write_atomically(path, source)
         return call
@@ -327,7 +329,8 @@ def _compiled_source(module: GraphModule, example: Sequence[Tensor]) -> str:
         tracing_mode="fake",
         _allow_non_fake_inputs=True,  # the example is real tensors: the step's state
     )(*example)
-    source, _ = torch._inductor.compile_to_python(functional, list(example))
+    with kernel_library.kernels_unbuilt():  # built when the source is loaded, one library for all
+        source, _ = torch._inductor.compile_to_python(functional, list(example))
     return source
 
 
@@ -335,9 +338,9 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     """A hash of what a part's compiled source is made from: the part's graph (every operation and
     constant, nodes by position: ``positional``), each input's shape, strides, offset, dtype and
     device, the threads (inductor writes parallel loops for them), inductor's config with
-    ``options`` applied (but for ``BUILD_ONLY``), the CPU's vector instructions as torch reads them (inductor's own check
-    compiles a program, and changes the flags of the kernels compiled after it), torch's version
-    and this module's own source (``preallocated`` rewrites what inductor wrote)."""
+    ``options`` applied (but for ``BUILD_ONLY``), the CPU's vector instructions as torch reads them
+    (inductor's own check compiles a program, and changes the flags of the kernels compiled after
+    it), torch's version and the sources of this module and of ``kernel_library`` (both rewrite what inductor wrote)."""
     with torch._inductor.config.patch(options):
         config = sorted((k, v) for k, v in torch._inductor.config.save_config_portable().items() if k not in BUILD_ONLY)
     digest = hashlib.sha256()
@@ -352,6 +355,7 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
         torch.backends.cpu.get_cpu_capability(),  # what inductor picks its vector instructions from
         torch.__version__,
         Path(__file__).read_bytes(),
+        Path(kernel_library.__file__).read_bytes(),
     ):
         digest.update(repr(item).encode() if not isinstance(item, bytes) else item)
     return digest.hexdigest()[:32]

@@ -1,0 +1,200 @@
+"""Inductor's CPU kernels of one compiled module built as one C++ library, not a library each.
+
+Inductor writes each fused CPU kernel as a C++ file of its own and builds each with its own
+compiler call, which reads the C++ header again (0.5 s precompiled, 2.5 s not) and links again: a
+step of convolutions with 33 kernels spent 25 s in the compiler for 2 s of work. ``one_library``
+rewrites a module inductor wrote so that its kernels are declared to a ``KernelLibrary``, which
+builds them together (one file, or one a compile thread where inductor compiles in parallel) and
+puts each kernel's function in the module's namespace before ``call`` first runs. The kernels'
+code and their compiler flags are inductor's own; a module whose kernels this does not recognise
+is left as it is."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import re
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+HEADER = "#include <torch/csrc/inductor/cpp_prefix.h>"
+_SIGNATURE = re.compile(r'extern "C"\s+void\s+kernel\(')
+_DECLARATION = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r'''", re.M)
+_WAIT = "\nasync_compile.wait(globals())\n"
+# How the binding reads each argument type (a Python object ``{}``) that inductor gives a kernel.
+_SCALARS = {"int64_t": "PyLong_AsLongLong({})", "long": "PyLong_AsLong({})", "float": "(float)PyFloat_AsDouble({})"}
+_SCALARS["double"] = "PyFloat_AsDouble({})"
+_VECTOR_MARKERS = ("at::vec::", "prod_masked_reduce(")  # what inductor reads a kernel's need of SIMD flags from
+
+
+@contextlib.contextmanager
+def kernels_unbuilt() -> Iterator[None]:
+    """Within the block inductor builds no CPU kernel: the module it loads while compiling (to hand
+    back its source) gets stand-ins that refuse to run, and ``one_library``'s rewrite of that source
+    builds the kernels once, together."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    def refuse(*args: object) -> None:
+        raise RuntimeError("an inductor kernel ran before it was built (eblvm_core.kernel_library)")
+
+    def stand_in(cls: type, *args: object, **kwargs: object) -> Callable[[], Callable]:
+        return lambda: refuse
+
+    original = CppPythonBindingsCodeCache.__dict__["load_pybinding_async"]
+    CppPythonBindingsCodeCache.load_pybinding_async = classmethod(stand_in)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        CppPythonBindingsCodeCache.load_pybinding_async = original  # type: ignore[method-assign]
+
+
+def one_library(source: str) -> str:
+    """Inductor's module ``source`` with its two or more C++ kernels declared to one
+    ``KernelLibrary`` instead of built one by one; any other source is returned as it is."""
+    declared = list(_DECLARATION.finditer(source))
+    wait = source.rfind(_WAIT)
+    if len(declared) < 2 or wait < declared[-1].start():
+        return source
+    for match in declared:
+        code = source[match.end() : source.index("''')", match.end())]
+        if _binding_arguments(ast.literal_eval(match.group(2))) is None or not _separable(code):
+            return source
+    start = declared[0].start()
+    body = source[start : wait + len(_WAIT)].replace(" = async_compile.cpp_pybinding(", " = _library.kernel(")
+    head = "from eblvm_core.kernel_library import KernelLibrary\n_library = KernelLibrary()\n"
+    tail = "_library.build(globals())\ndel _library\n"
+    return source[:start] + head + body + tail + source[wait + len(_WAIT) :]
+
+
+def _separable(code: str) -> bool:
+    """Whether a kernel's code is the header and one ``extern "C" void kernel(...)``, so that it
+    can sit in a namespace of its own beside others."""
+    rest = code.replace(HEADER, "", 1)
+    return "#include" not in rest and len(_SIGNATURE.findall(rest)) == 1
+
+
+def _binding_arguments(argtypes: Sequence[str]) -> list[str] | None:
+    """C++ expressions reading a kernel's arguments from the binding's ``args`` tuple; None for a
+    type the binding cannot read."""
+    read = []
+    for n, argtype in enumerate(argtypes):
+        item, bare = f"PyTuple_GET_ITEM(args, {n})", argtype.replace("const ", "").strip()
+        if bare.endswith("*"):
+            read.append(f"static_cast<{bare}>(tensor_data({item}))")
+        elif bare in _SCALARS:
+            read.append(_SCALARS[bare].format(item))
+        else:
+            return None
+    return read
+
+
+class _Declared:
+    """A kernel declared to a ``KernelLibrary``: its name in the module until ``build`` replaces it."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class KernelLibrary:
+    """The kernels a module declares (``kernel``), built together by ``build``."""
+
+    def __init__(self) -> None:
+        self.kernels: list[tuple[list[str], str]] = []
+
+    def kernel(self, argtypes: list[str], code: str) -> _Declared:
+        """Declare one of inductor's kernels (its argument types and C++ code, as inductor's
+        ``cpp_pybinding`` takes them)."""
+        self.kernels.append((argtypes, code))
+        return _Declared(len(self.kernels) - 1)
+
+    def build(self, scope: dict[str, Any]) -> None:
+        """Build every declared kernel and put its function in ``scope`` in place of its declaration.
+        Kernels that need SIMD flags and those that do not are built apart, as inductor builds them;
+        each group in as many files as inductor's compile threads, built at once."""
+        from torch._inductor.async_compile import get_compile_threads
+
+        groups: dict[bool, list[int]] = {}
+        for index, (_, code) in enumerate(self.kernels):
+            groups.setdefault(any(marker in code for marker in _VECTOR_MARKERS), []).append(index)
+        threads = max(1, get_compile_threads())
+        files = [chunk for indices in groups.values() for chunk in _balanced(indices, self.kernels, threads) if chunk]
+        with ThreadPoolExecutor(max_workers=min(threads, len(files))) as pool:  # each in this thread's context:
+            futures = [pool.submit(contextvars.copy_context().run, self._build_file, f) for f in files]  # its config
+            built = [future.result() for future in futures]
+        functions = {index: function for part in built for index, function in part.items()}
+        for name, value in list(scope.items()):
+            if isinstance(value, _Declared):
+                scope[name] = functions[value.index]
+
+    def _build_file(self, indices: list[int]) -> dict[int, Callable]:
+        """The kernels ``indices`` built as one C++ library with a Python binding for each."""
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        module = CppPythonBindingsCodeCache.load(library_source([self.kernels[i] for i in indices]))
+        return {index: getattr(module, f"kernel_{n}") for n, index in enumerate(indices)}
+
+
+def _balanced(indices: list[int], kernels: list[tuple[list[str], str]], files: int) -> list[list[int]]:
+    """``indices`` split into ``files`` lists of about equal code length, each in order."""
+    loads: list[int] = [0] * files
+    chunks: list[list[int]] = [[] for _ in range(files)]
+    for index in sorted(indices, key=lambda i: -len(kernels[i][1])):
+        lightest = loads.index(min(loads))
+        chunks[lightest].append(index)
+        loads[lightest] += len(kernels[index][1])
+    return [sorted(chunk) for chunk in chunks]
+
+
+def library_source(kernels: list[tuple[list[str], str]]) -> str:
+    """One C++ file of ``kernels`` (argument types, inductor's code), kernel ``n`` in namespace
+    ``kernel_n`` and bound as ``kernel_n`` of a Python module named ``kernel`` (the name inductor's
+    loader initialises a module by). Arguments are read as inductor's own bindings read them:
+    tensors by the data-pointer function whose address inductor's loader puts in the environment."""
+    namespaces, bindings, methods = [HEADER], [], []
+    for n, (argtypes, code) in enumerate(kernels):
+        body = _SIGNATURE.sub("void kernel(", code.replace(HEADER, "", 1), count=1)
+        namespaces.append(f"namespace kernel_{n} {{\n{body}\n}}  // namespace kernel_{n}")
+        read = "".join(
+            f"    auto a{i} = {expression};\n" for i, expression in enumerate(_binding_arguments(argtypes) or ())
+        )
+        arguments = ", ".join(f"a{i}" for i in range(len(argtypes)))
+        bindings.append(_BINDING.format(n=n, count=len(argtypes), read=read, arguments=arguments))
+        methods.append(f'    {{"kernel_{n}", call_{n}, METH_VARARGS, nullptr}},')
+    return "\n".join(namespaces) + _MODULE.format(bindings="".join(bindings), methods="\n".join(methods))
+
+
+_BINDING = """
+static PyObject* call_{n}(PyObject*, PyObject* args) {{
+    if (PyTuple_GET_SIZE(args) != {count}) {{
+        PyErr_SetString(PyExc_TypeError, "kernel_{n} takes {count} arguments");
+        return nullptr;
+    }}
+{read}    if (PyErr_Occurred()) return nullptr;
+    kernel_{n}::kernel({arguments});
+    Py_RETURN_NONE;
+}}
+"""
+_MODULE = """
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <cstdlib>
+
+static void* (*tensor_data)(PyObject*) = nullptr;
+{bindings}
+static PyMethodDef methods[] = {{
+{methods}
+    {{nullptr, nullptr, 0, nullptr}}}};
+static PyModuleDef module_definition = {{PyModuleDef_HEAD_INIT, "kernel", nullptr, -1, methods}};
+
+PyMODINIT_FUNC PyInit_kernel(void) {{
+    const char* address = std::getenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR");
+    if (address == nullptr || std::strtoull(address, nullptr, 10) == 0) {{
+        PyErr_SetString(PyExc_RuntimeError, "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR is not set");
+        return nullptr;
+    }}
+    tensor_data = reinterpret_cast<void* (*)(PyObject*)>(std::strtoull(address, nullptr, 10));
+    return PyModule_Create(&module_definition);
+}}
+"""

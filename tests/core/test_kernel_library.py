@@ -1,0 +1,121 @@
+"""Inductor's CPU kernels of one compiled part built as one C++ library (``eblvm_core.kernel_library``):
+the rewrite of inductor's module, the library's bindings, and a part of many kernels computing
+what its graph computes with one compiler call a compile thread."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from eblvm_core import inductor, kernel_library
+from eblvm_core.kernel_library import HEADER, KernelLibrary, one_library
+
+DOUBLE = f"""{HEADER}
+extern "C"  void  kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)
+{{
+    for (int64_t i = 0; i < ks0; ++i) out_ptr0[i] = 2.0f * in_ptr0[i];
+}}
+"""
+SHIFT = f"""{HEADER}
+extern "C"  void  kernel(float* in_out_ptr0, const float scale)
+{{
+    for (int64_t i = 0; i < 4; ++i) in_out_ptr0[i] = in_out_ptr0[i] * scale + 1.0f;
+}}
+"""
+
+
+def module_source(*kernels: tuple[list[str], str]) -> str:
+    """A module as inductor writes one: kernels declared to ``async_compile``, then waited for."""
+    declared = "".join(
+        f"cpp_fused_{n} = async_compile.cpp_pybinding({a!r}, r'''{c}''')\n\n" for n, (a, c) in enumerate(kernels)
+    )
+    return f"async_compile = AsyncCompile()\n\n{declared}\nasync_compile.wait(globals())\ndel async_compile\n\ndef call(args):\n    pass\n"
+
+
+def test_two_or_more_kernels_are_declared_to_one_library_and_anything_else_is_left_alone():
+    double, shift = (["const float*", "float*", "const int64_t"], DOUBLE), (["float*", "const float"], SHIFT)
+    source = module_source(double, shift)
+    rewritten = one_library(source)
+    assert "async_compile.cpp_pybinding(" not in rewritten
+    assert rewritten.count(" = _library.kernel(") == 2
+    assert rewritten.index("_library.build(globals())") > rewritten.index("async_compile.wait(globals())")
+    assert rewritten.endswith("def call(args):\n    pass\n")
+    assert one_library(module_source(double)) == module_source(double), "one kernel: nothing to share"
+    included = (["float*", "const float"], SHIFT.replace(HEADER, HEADER + "\n#include <cmath>"))
+    assert one_library(module_source(double, included)) == module_source(double, included), "an include of its own"
+    unread = (["float*", "const bool"], SHIFT)
+    assert one_library(module_source(double, unread)) == module_source(double, unread), "an argument type unread"
+
+
+def test_while_inductor_writes_the_source_its_kernels_are_stand_ins_that_refuse_to_run():
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    original = vars(CppPythonBindingsCodeCache)["load_pybinding_async"]
+    with kernel_library.kernels_unbuilt():
+        stand_in = CppPythonBindingsCodeCache.load_pybinding(["float*"], SHIFT)
+        with pytest.raises(RuntimeError, match="ran before it was built"):
+            stand_in(torch.zeros(4))
+    assert vars(CppPythonBindingsCodeCache)["load_pybinding_async"] is original
+
+
+@pytest.mark.slow
+def test_a_library_binds_each_kernel_with_its_tensor_and_scalar_arguments(monkeypatch, tmp_path):
+    """Kernel n of the library is the kernel declared n-th: tensors reach it as data pointers,
+    integers and floats as C++ scalars; both kernels come from one compiler call."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 1)
+    library = KernelLibrary()
+    scope = {
+        "double": library.kernel(["const float*", "float*", "const int64_t"], DOUBLE),
+        "shift": library.kernel(["float*", "const float"], SHIFT),
+    }
+    built = []
+    monkeypatch.setattr(
+        KernelLibrary,
+        "_build_file",
+        lambda self, indices, f=KernelLibrary._build_file: built.append(indices) or f(self, indices),
+    )
+    library.build(scope)
+    assert built == [[0, 1]]
+    x, out = torch.arange(5.0), torch.zeros(5)
+    scope["double"](x, out, 3)
+    assert out.tolist() == [0.0, 2.0, 4.0, 0.0, 0.0]
+    y = torch.arange(4.0)
+    scope["shift"](y, 0.5)
+    assert y.tolist() == [1.0, 1.5, 2.0, 2.5]
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        scope["shift"](y)
+
+
+def many_kernels(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+    """Matrix products between pointwise operations: each pointwise stretch is a kernel of its own."""
+    h = (x @ w).tanh() * 2 + 1
+    g = (h @ w.t()).sigmoid() - x
+    return (((g @ w).exp() - h).square().sum(),)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_part_of_many_kernels_computes_its_graph_with_one_compiler_call_a_thread(monkeypatch, tmp_path, threads):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: threads)
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    loads: list[str] = []  # every C++ library built: inductor's kernels one by one would be here too
+    load = CppPythonBindingsCodeCache.load_async.__func__
+    monkeypatch.setattr(
+        CppPythonBindingsCodeCache,
+        "load_async",
+        classmethod(lambda cls, code, *a, **k: loads.append(code) or load(cls, code, *a, **k)),
+    )
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 3), torch.randn(3, 3)
+    module = make_fx(many_kernels)(x, w)
+    with torch.no_grad():
+        (got,) = inductor.compile_part(module, [x, w], {"pattern_matcher": False, "cpp.vec_isa_ok": False})([x, w])
+    (source,) = (tmp_path / "eblvm").glob("*.py")
+    kernels = source.read_text().count(" = _library.kernel(")
+    assert kernels >= 3, "the graph should have several kernels"
+    assert len(loads) == threads and sum(code.count("\nnamespace kernel_") for code in loads) == kernels
+    torch.testing.assert_close(got, many_kernels(x, w)[0])
