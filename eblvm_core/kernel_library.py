@@ -24,8 +24,12 @@ _SIGNATURE = re.compile(r'extern "C"\s+void\s+kernel\(')
 _DECLARATION = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\((\[[^\]]*\]), r'''", re.M)
 _WAIT = "\nasync_compile.wait(globals())\n"
 # How the binding reads each argument type (a Python object ``{}``) that inductor gives a kernel.
-_SCALARS = {"int64_t": "PyLong_AsLongLong({})", "long": "PyLong_AsLong({})", "float": "(float)PyFloat_AsDouble({})"}
-_SCALARS["double"] = "PyFloat_AsDouble({})"
+_SCALARS = {
+    "int64_t": "PyLong_AsLongLong({})",
+    "long": "PyLong_AsLong({})",
+    "float": "(float)PyFloat_AsDouble({})",
+    "double": "PyFloat_AsDouble({})",
+}
 _VECTOR_MARKERS = ("at::vec::", "prod_masked_reduce(")  # what inductor reads a kernel's need of SIMD flags from
 
 
