@@ -340,7 +340,8 @@ def source_key(module: GraphModule, example: Sequence[Tensor], options: dict[str
     device, the threads (inductor writes parallel loops for them), inductor's config with
     ``options`` applied (but for ``BUILD_ONLY``), the CPU's vector instructions as torch reads them
     (inductor's own check compiles a program, and changes the flags of the kernels compiled after
-    it), torch's version and the sources of this module and of ``kernel_library`` (both rewrite what inductor wrote)."""
+    it), torch's version and the sources of this module and of ``kernel_library`` (both rewrite
+    what inductor wrote)."""
     with torch._inductor.config.patch(options):
         config = sorted((k, v) for k, v in torch._inductor.config.save_config_portable().items() if k not in BUILD_ONLY)
     digest = hashlib.sha256()

@@ -30,7 +30,8 @@ def module_source(*kernels: tuple[list[str], str]) -> str:
     declared = "".join(
         f"cpp_fused_{n} = async_compile.cpp_pybinding({a!r}, r'''{c}''')\n\n" for n, (a, c) in enumerate(kernels)
     )
-    return f"async_compile = AsyncCompile()\n\n{declared}\nasync_compile.wait(globals())\ndel async_compile\n\ndef call(args):\n    pass\n"
+    tail = "async_compile.wait(globals())\ndel async_compile\n\ndef call(args):\n    pass\n"
+    return f"async_compile = AsyncCompile()\n\n{declared}\n{tail}"
 
 
 def test_two_or_more_kernels_are_declared_to_one_library_and_anything_else_is_left_alone():
