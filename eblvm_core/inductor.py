@@ -35,7 +35,6 @@ from torch.fx import Graph, GraphModule, Node
 
 from eblvm_core import kernel_library
 from eblvm_core.bilevel import REPEATED
-from eblvm_core.kernel_library import one_library
 
 # A run of identical repeats is compiled once and called each time when the repeats after the first
 # hold at least this many graph nodes: below it the second compile (its C++ header above all) costs
@@ -301,7 +300,7 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
                 return call
             except Exception:  # a file cut short, a kernel that no longer builds: compiled again below
                 pass
-        source = one_library(preallocated(_compiled_source(module, example)))
+        source = kernel_library.one_library(preallocated(_compiled_source(module, example)))
         call = torch._inductor.load_from_python(source)
         _write_atomically(path, source)
         return call

@@ -30,7 +30,6 @@ _SCALARS = {
     "float": "(float)PyFloat_AsDouble({})",
     "double": "PyFloat_AsDouble({})",
 }
-_VECTOR_MARKERS = ("at::vec::", "prod_masked_reduce(")  # what inductor reads a kernel's need of SIMD flags from
 
 
 @contextlib.contextmanager
@@ -118,10 +117,11 @@ class KernelLibrary:
         Kernels that need SIMD flags and those that do not are built apart, as inductor builds them;
         each group in as many files as inductor's compile threads, built at once."""
         from torch._inductor.async_compile import get_compile_threads
+        from torch._inductor.codecache import _resolve_needs_vec_isa  # inductor's own reading of the code
 
         groups: dict[bool, list[int]] = {}
         for index, (_, code) in enumerate(self.kernels):
-            groups.setdefault(any(marker in code for marker in _VECTOR_MARKERS), []).append(index)
+            groups.setdefault(_resolve_needs_vec_isa("cpu", code, None), []).append(index)
         threads = max(1, get_compile_threads())
         files = [chunk for indices in groups.values() for chunk in _balanced(indices, self.kernels, threads) if chunk]
         with ThreadPoolExecutor(max_workers=min(threads, len(files))) as pool:  # each in this thread's context:
