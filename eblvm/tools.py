@@ -1,8 +1,9 @@
 """The tools eblvm's plugins share, for any plugin: parameters as dicts and differentiable optimizer
 steps, Hessian-vector products and linear solvers (bi-level estimators), MCMC transitions (MALA,
 HMC), step-size adaptation and chain diagnostics (ESS, split R-hat), the collectives of
-several processes, image pipelines, figures, and the names of a run directory's files. The
-contracts are in ``eblvm.plugin``.
+several processes, a worker process's quick start (``pause_gc``: a pool's initializer), image
+pipelines, figures, and the names of a run directory's files. The contracts are in
+``eblvm.plugin``.
 
     >>> import torch
     >>> from eblvm.tools import apply_override, did_you_mean, hvp
@@ -64,6 +65,7 @@ from eblvm_core.recipe.library import names as bundled_recipes
 from eblvm_core.recipe.library import recipe_file
 from eblvm_core.registry import did_you_mean
 from eblvm_core.rundir import METRICS, PROVENANCE, RECIPE, hyperparameters
+from eblvm_core.startup import pause_gc
 
 __all__ = [
     # bi-level steps
@@ -98,6 +100,7 @@ __all__ = [
     "collectives_active",
     "mean_over_ranks",
     "world_size",
+    "pause_gc",
     # evaluations, images and figures
     "evaluation_mode",
     "ImageOptions",

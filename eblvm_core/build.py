@@ -36,6 +36,7 @@ from eblvm_core.plugins import install_hint, load
 from eblvm_core.recipe import Recipe, Role, Section, load_recipe, with_run
 from eblvm_core.registry import did_you_mean
 from eblvm_core.roles import Precision, TrainingRole
+from eblvm_core.startup import resume_gc
 
 
 @attrs.frozen
@@ -246,6 +247,7 @@ def build(recipe: Recipe, plan: Plan | str | torch.device | None = None, *, dry_
     evaluators. ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in
     for absent files (``Parts.warn`` says so).
     """
+    resume_gc()  # a command's start paused the collector (eblvm_core.startup)
     if not isinstance(plan, Plan):
         plan = plan_for(recipe, None if plan is None else str(plan), dry_run=dry_run)
     dtype = getattr(torch, recipe.run.dtype)

@@ -16,6 +16,7 @@ import typer
 from eblvm_core.cli_support import check_device, fail, guarded
 from eblvm_core.errors import EblvmError
 from eblvm_core.launching import Launcher, RunRequest, launcher_options, owner_of
+from eblvm_core.startup import paused_gc
 
 app = typer.Typer(
     add_completion=False,
@@ -102,7 +103,8 @@ def run(
 
         train(request, echo=typer.echo)  # prints the final evaluation and done:
 
-    guarded(go)
+    with paused_gc():
+        guarded(go)
 
 
 def _launchers() -> dict[str, Any]:
@@ -206,34 +208,35 @@ def validate(
     --show, each resolved recipe is printed as `eblvm run` would write it into the run
     directory's recipe.toml.
     """
-    from eblvm_core.build import dry_run
-    from eblvm_core.plugins import load
-    from eblvm_core.recipe import load_recipe
-    from eblvm_core.recipe.library import recipe_file
+    with paused_gc():  # the first dry build resumes it (eblvm_core.startup)
+        from eblvm_core.build import dry_run
+        from eblvm_core.plugins import load
+        from eblvm_core.recipe import load_recipe
+        from eblvm_core.recipe.library import recipe_file
 
-    readers = [entry.factory for entry in load()["spec_readers"].entries()]
-    bad = 0
-    for path in recipes:
-        try:
-            file = recipe_file(path)
-            resolved = next((found for read in readers if (found := read(file, override)) is not None), None)
-            if resolved is None:
-                resolved = {str(path): load_recipe(file, override)}
-            warnings: dict[str, None] = {}
-            for recipe in resolved.values():
-                warnings.update(dict.fromkeys(dry_run(recipe, check_data=check_data)))
-            for warning in warnings:
-                typer.echo(f"warning: {path}: {warning}", err=True)
-            if show:
-                import tomli_w
+        readers = [entry.factory for entry in load()["spec_readers"].entries()]
+        bad = 0
+        for path in recipes:
+            try:
+                file = recipe_file(path)
+                resolved = next((found for read in readers if (found := read(file, override)) is not None), None)
+                if resolved is None:
+                    resolved = {str(path): load_recipe(file, override)}
+                warnings: dict[str, None] = {}
+                for recipe in resolved.values():
+                    warnings.update(dict.fromkeys(dry_run(recipe, check_data=check_data)))
+                for warning in warnings:
+                    typer.echo(f"warning: {path}: {warning}", err=True)
+                if show:
+                    import tomli_w
 
-                for name, recipe in resolved.items():
-                    typer.echo(f"# {name}\n{tomli_w.dumps(recipe.to_dict())}")
-            typer.echo(f"ok: {path}")
-        except EblvmError as exc:
-            for line in str(exc).splitlines():  # several errors found together: one line each
-                typer.echo(f"error: {line}", err=True)
-            bad += 1
+                    for name, recipe in resolved.items():
+                        typer.echo(f"# {name}\n{tomli_w.dumps(recipe.to_dict())}")
+                typer.echo(f"ok: {path}")
+            except EblvmError as exc:
+                for line in str(exc).splitlines():  # several errors found together: one line each
+                    typer.echo(f"error: {line}", err=True)
+                bad += 1
     if bad:
         raise typer.Exit(2)
 
@@ -333,7 +336,8 @@ def eval_run(
                 "the model has degenerated"
             )
 
-    guarded(go)
+    with paused_gc():
+        guarded(go)
 
 
 @app.command()
@@ -398,7 +402,8 @@ def sample(
             typer.echo(f"{key}: {value:.4g}")
         typer.echo(f"{n} samples (step {run.step}, sampler {source}) -> {path}, {values}, {diagnostics}")
 
-    guarded(go)
+    with paused_gc():
+        guarded(go)
 
 
 def _command_name(command: typer.models.CommandInfo) -> str:

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from eblvm.plugin import ConfigError, EblvmError, TrainingDiverged
-from eblvm.tools import RECIPE, output_folder
+from eblvm.tools import RECIPE, output_folder, pause_gc
 from eblvm_experiments.launcher import Job
 from eblvm_experiments.spec import Spec, load_spec, select, slug
 
@@ -355,7 +355,9 @@ def compare(
     if cluster is not None:
         _run_jobs(launcher, cluster, spec, tasks, pending, live, out, echo, done, failed)
     elif jobs > 1 and len(pending) > 1:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(
+            max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=pause_gc
+        ) as pool:
             futures = {pool.submit(run_one, tasks[index]): index for index in pending}
             try:
                 for future in as_completed(futures):

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from eblvm.plugin import ConfigError, EblvmError, Interrupted, TrainingDiverged
-from eblvm.tools import output_file, output_folder
+from eblvm.tools import output_file, output_folder, pause_gc
 from eblvm_experiments.launcher import Job
 from eblvm_experiments.search_spec import PRUNERS, SAMPLERS, SearchSpec, check_optuna_options, load_search_spec
 
@@ -439,7 +439,7 @@ def search(
             import multiprocessing
 
             context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=pause_gc) as pool:
                 futures = [pool.submit(_work_here, spec, out, url, device, w, command) for w in range(workers)]
                 errors = []
                 try:

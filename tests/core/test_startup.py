@@ -1,0 +1,78 @@
+"""A command's start without the cyclic garbage collector (eblvm_core.startup): paused by the
+commands that build, resumed by the build with what exists frozen and what the build makes not,
+and on again after a command that failed before its build."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import tomllib
+
+import pytest
+
+from eblvm_core import startup
+from tests.support import SMALL_RECIPE
+
+
+@pytest.fixture
+def collector():
+    """The collector on and nothing frozen, as this process had it before (on) after the test."""
+    was_enabled = gc.isenabled()
+    gc.unfreeze()  # an earlier in-process command may have frozen this process's objects
+    gc.enable()
+    yield
+    startup._paused = False
+    gc.unfreeze()
+    (gc.enable if was_enabled else gc.disable)()
+
+
+def tracked(obj: object) -> bool:
+    """Whether a later collection would look at ``obj``: frozen objects are in no generation."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_a_pause_holds_until_resumed_which_freezes_what_exists_and_imports_dynamo(collector):
+    startup.pause_gc()
+    assert not gc.isenabled()
+    before = []  # made during the pause
+    startup.resume_gc()
+    assert gc.isenabled() and gc.get_freeze_count() > 0 and "torch._dynamo" in sys.modules
+    assert not tracked(before)
+    after = []
+    assert tracked(after)
+    frozen = gc.get_freeze_count()
+    startup.resume_gc()  # a second build resumes nothing and freezes nothing
+    assert gc.get_freeze_count() == frozen and tracked(after)
+
+
+def test_without_a_pause_resuming_leaves_the_collector_alone(collector):
+    startup.resume_gc()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # someone else's choice: a pause does not claim it, a resume does not undo it
+    startup.pause_gc()
+    startup.resume_gc()
+    assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_build_resumes_and_what_it_builds_is_not_frozen(collector):
+    import eblvm
+    from eblvm_core.build import build
+
+    recipe = eblvm.load_recipe(tomllib.loads(SMALL_RECIPE))
+    startup.pause_gc()
+    built = build(recipe, "cpu")
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert tracked(recipe) is False and tracked(built.parts.model) and tracked(built.parts.data)
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_command_pauses_and_its_build_resumes(collector, cli, write_recipe, tmp_path, command):
+    result = cli([command, write_recipe(), *(["--out", tmp_path / "runs"] if command == "run" else [])])
+    assert result.exit_code == 0, result.output
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_a_command_that_fails_before_its_build_turns_collection_on_again(collector, cli, write_recipe, tmp_path):
+    result = cli(["run", write_recipe(SMALL_RECIPE.replace("steps = 30", "steps = -1")), "--out", tmp_path / "runs"])
+    assert result.exit_code == 2 and "steps" in result.output
+    assert gc.isenabled() and gc.get_freeze_count() == 0
