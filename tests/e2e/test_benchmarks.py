@@ -171,6 +171,20 @@ def test_bench_subnormals_times_a_run_both_ways(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
+def test_bench_startup_times_validate_paused_and_not_with_the_same_output(monkeypatch, capsys):
+    run_script(BENCHMARKS / "bench_startup.py", "--smoke", monkeypatch=monkeypatch)
+    line = capsys.readouterr().out.splitlines()[-1]
+    found = re.fullmatch(
+        r"  validate grbm_bissm: paused ([\d.]+) CPU-s \(([\d.]+) s wall\), "
+        r"not paused ([\d.]+) CPU-s \(([\d.]+) s wall\): ([\d.]+)x the CPU",
+        line,
+    )
+    assert found, line
+    paused, _, not_paused, _, ratio = map(positive, found.groups())
+    assert ratio == pytest.approx(not_paused / paused, abs=0.01)
+
+
+@pytest.mark.slow
 def test_bench_samplers_measures_every_sampler_at_its_tiny_size(trained, tmp_path, monkeypatch):
     out = tmp_path / "samplers.md"
     run_script(BENCHMARKS / "bench_samplers.py", trained, "--smoke", "--out", out, monkeypatch=monkeypatch)
