@@ -3,6 +3,7 @@ Shared constants and helpers are in ``tests.support``."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import textwrap
@@ -21,10 +22,19 @@ def pytest_configure(config: pytest.Config) -> None:
     distributes = config.getoption("dist", "no") != "no" and config.getoption("tx", None)  # as xdist decides
     if distributes and not hasattr(config, "workerinput") and not config.getoption("collectonly"):
         return  # the controlling process
+    gc.disable()  # until collection ends (pytest_collection_finish), as eblvm's commands load torch
     import torch
 
     torch.set_num_threads(1)
     config.pluginmanager.import_plugin("eblvm.testing")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """torch, the plugins and the test modules, loaded with the garbage collector off, live to the
+    end: frozen, no later collection walks them (eblvm_core.startup does the same for a command)."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
 
 # Property tests: no deadline (a shared 2-core machine times an example anywhere from 1x to 10x),
