@@ -154,8 +154,10 @@ APART_GRACE_S = 10.0  # seconds the other process may take beyond this one's pac
 # against -1.37 eager, from the same state and noise; torch 2.14.1, CPU); the rest of inductor is
 # exact to rounding here (tests/core/test_compiled.py checks every compiled estimator against eager).
 # Tensors keep the layout the eager step gives them (no channels-last convolutions): a part reads what
-# another part returns as the trace saw it (a view of it included).
-INDUCTOR = {"pattern_matcher": False, "layout_optimization": False}
+# another part returns as the trace saw it (a view of it included). Inductor's own cache of compiled
+# graphs is off: eblvm keeps each part's source (inductor.compile_part), and the graph cache's key and
+# write cost 0.3 s of CPU a part.
+INDUCTOR = {"pattern_matcher": False, "layout_optimization": False, "fx_graph_cache": False}
 # SIMD loops, for a graph with a tensor above SCALAR_LOOPS_BELOW elements, use the ISA the CPU's flags
 # name, without inductor's trial build of each (seconds on a new machine); scalar loops skip the ISA
 # checks altogether. Inductor keeps the first answer for the process: a process that compiled a small
