@@ -83,6 +83,9 @@ def measure(recipe: str, overrides: list[str], rounds: int, block: int, threads:
     """In this process: build the case with its step compiled (timed), check one compiled step
     against one eager step, then time the four kinds of step in interleaved rounds (``cold``: one
     step of each, the compile being what is measured; a step that does not compile is timed anyway)."""
+    from eblvm_core.startup import pause_gc
+
+    pause_gc()  # torch loaded as `eblvm run` loads it; the build resumes the collector
     import torch
 
     import eblvm

@@ -16,13 +16,16 @@ from tests.support import SMALL_RECIPE
 
 @pytest.fixture
 def collector():
-    """The collector on and nothing frozen, as this process had it before (on) after the test."""
-    was_enabled = gc.isenabled()
-    gc.unfreeze()  # an earlier in-process command may have frozen this process's objects
+    """The collector on and nothing frozen for the test; after it, on or off and frozen or not as
+    before (conftest.py froze what the worker loaded, an in-process command what it had built on)."""
+    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
+    gc.unfreeze()
     gc.enable()
     yield
     startup._paused = False
     gc.unfreeze()
+    if was_frozen:
+        gc.freeze()
     (gc.enable if was_enabled else gc.disable)()
 
 
