@@ -65,7 +65,7 @@ def test_the_build_resumes_and_what_it_builds_is_not_frozen(collector):
     startup.pause_gc()
     built = build(recipe, "cpu")
     assert gc.isenabled() and gc.get_freeze_count() > 0
-    assert tracked(recipe) is False and tracked(built.parts.model) and tracked(built.parts.data)
+    assert not tracked(recipe) and tracked(built.parts.model) and tracked(built.parts.data)
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])
