@@ -7,8 +7,8 @@ while torch loads (what eblvm does, eblvm_core/startup.py) and without the pause
 Each command runs as ``python -c`` of eblvm's entry point, once as it is and once with
 ``eblvm_core.startup.pause_gc`` replaced by a function that does nothing, so that the two differ in
 the pause alone; the two take turns ``--rounds`` times. A process's CPU time is its user + system
-time (``os.wait4``). Both must print the same final lines (a run's evaluation, validate's ``ok``):
-the script stops where they differ.
+time (``resource.RUSAGE_CHILDREN``). Both must print the same final lines (a run's evaluation,
+validate's ``ok``): the script stops where they differ.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,16 +33,14 @@ NO_PAUSE = "import eblvm_core.startup as startup; startup.pause_gc = lambda: Non
 
 def timed(code: str, args: list[str], cwd: str) -> tuple[float, float, list[str]]:
     """(CPU seconds, wall seconds, the ``name: value`` lines of stdout) of ``python -c CODE ARGS``."""
-    start = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE, text=True)
-    output = process.stdout.read() if process.stdout else ""
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise SystemExit(f"{' '.join(args)} exited with {process.returncode}:\n{output}")
-    lines = [line for line in output.splitlines() if re.fullmatch(r"ok: \S+|[\w/.-]+: [-+\d.e]+", line)]
-    return usage.ru_utime + usage.ru_stime, wall, lines
+    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, stdout=subprocess.PIPE, text=True)
+    wall, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(args)} exited with {done.returncode}:\n{done.stdout}")
+    lines = [line for line in done.stdout.splitlines() if re.fullmatch(r"ok: \S+|[\w/.-]+: [-+\d.e]+", line)]
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return cpu, wall, lines
 
 
 def main() -> None:
