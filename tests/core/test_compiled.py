@@ -11,9 +11,11 @@ import json
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 import eblvm
 from eblvm_core import checkpoint as ckpt
+from eblvm_core import inductor
 from eblvm_core.compiled import CompiledStep, Refused, state_tensors
 from eblvm_core.errors import ConfigError
 from eblvm_core.plan import AUTO_COMPILE_STEPS, Launch, Machine, make_plan
@@ -115,6 +117,30 @@ def test_the_compiled_step_takes_the_eager_step(case):
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_trace_describes_its_values_in_one_fake_mode(monkeypatch):
+    """Tracing real tensors, make_fx describes each value by a fake tensor, in a fake mode of its own
+    (which records the Python stack) unless one is ambient: the step's trace shares one."""
+
+    class Traced(Exception):
+        pass
+
+    def stop(graph):
+        graphs.append(graph)
+        raise Traced
+
+    graphs: list[torch.fx.Graph] = []
+    monkeypatch.setattr(inductor, "segments", stop)  # the trace only: no compile
+    run = prepared("grbm_ssm.toml", [])
+    estimator = run.parts.estimator
+    tensors = state_tensors(run.parts.networks(), run.roles, estimator)
+    with pytest.raises(Traced):
+        CompiledStep(estimator.step, tensors, run.state.batches.example(), estimator)
+    (graph,) = graphs
+    values = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), FakeTensor)]
+    assert len(values) > 20 and len({id(v.fake_mode) for v in values}) == 1
 
 
 @pytest.mark.slow
