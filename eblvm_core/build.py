@@ -238,21 +238,28 @@ def plan_for(
     return make_plan(recipe, lambda: measure(recipe, dry_run), machine, launch)
 
 
-def build(recipe: Recipe, plan: Plan | str | torch.device | None = None, *, dry_run: bool = False) -> Built:
+def build(
+    recipe: Recipe,
+    plan: Plan | str | torch.device | None = None,
+    *,
+    dry_run: bool = False,
+    early: Parts | None = None,
+) -> Built:
     """Build every part of the recipe as ``plan`` says (or a device such as ``"cpu"``, or None for
     the recipe's: the plan for it on this machine); ConfigErrors carry the recipe's file name.
 
     The data and the networks are made first, on the CPU, and placed on the plan's device; then
     the roles' schedules, the other parts, the estimator (which makes the roles) and the
     evaluators. ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in
-    for absent files (``Parts.warn`` says so).
+    for absent files (``Parts.warn`` says so). ``early``: the data and networks, made already from
+    the random state this call starts in (``dry_run`` made them to plan).
     """
     resume_gc()  # a command's start paused the collector (eblvm_core.startup)
     if not isinstance(plan, Plan):
         plan = plan_for(recipe, None if plan is None else str(plan), dry_run=dry_run)
     dtype = getattr(torch, recipe.run.dtype)
     try:
-        early = _early(recipe, dry_run)
+        early = early if early is not None else _early(recipe, dry_run)
         schedules = {name: _make(role.schedule, early) for name, role in recipe.optim.items()}
         factories = {
             name: _role_factory(name, role, schedules[name], plan.precision) for name, role in recipe.optim.items()
@@ -315,8 +322,20 @@ def dry_run(recipe: Recipe | str | Path, overrides: Sequence[str] = (), check_da
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, overrides)
     check_loggers(recipe)
+    stand_in = not check_data
+    made: list[Parts] = []  # the data and networks, where the plan weighed them: built once, not twice
+
+    def sizes() -> Sizes:
+        made.append(_early(recipe, stand_in))
+        return Sizes.of(made[0].networks())
+
     with torch.random.fork_rng(devices=[]):
-        plan = plan_for(recipe, dry_run=not check_data)  # what run would refuse of the device, on this machine
-        ckpt.seed_everything(recipe.run.seed or 0)
-        built = build(recipe, plan if plan.device.type == "cpu" else "cpu", dry_run=not check_data)
+        ckpt.seed_everything(recipe.run.seed or 0)  # planning draws nothing: what sizes() made, build would
+        try:
+            plan = make_plan(recipe, sizes)  # what run would refuse of the device, on this machine
+        except ConfigError as exc:
+            recipe.blame(exc)
+            raise
+        plan_or_cpu = plan if plan.device.type == "cpu" else "cpu"
+        built = build(recipe, plan_or_cpu, dry_run=stand_in, early=made[0] if made else None)
     return list(dict.fromkeys(built.parts.warnings))

@@ -152,6 +152,28 @@ def test_dry_run_builds_without_moving_the_global_rng_and_returns_the_warnings(w
     assert torch.equal(torch.get_rng_state(), state)
 
 
+def test_a_dry_run_makes_the_data_and_networks_once_as_a_runs_build_would(monkeypatch):
+    """The plan weighs the networks; the dry run builds with those it weighed (made from the seed),
+    not a second set: the same parameters as a build from the recipe's seed."""
+    from eblvm_core import build as building
+    from eblvm_core import checkpoint as ckpt
+
+    recipe = small()
+    made, built = [], []
+    early, build = building._early, building.build
+    monkeypatch.setattr(building, "_early", lambda *args: made.append(early(*args)) or made[-1])
+    monkeypatch.setattr(building, "build", lambda *args, **kw: built.append(build(*args, **kw)) or built[-1])
+    building.dry_run(recipe)
+    assert len(made) == 1 and len(built) == 1
+    ckpt.seed_everything(recipe.run.seed)
+    expected = build(recipe, "cpu").parts.networks()
+    got = built[0].parts.networks()
+    assert set(got) == set(expected) == {"model", "posterior"}
+    for name, network in expected.items():
+        for (key, want), have in zip(network.state_dict().items(), got[name].state_dict().values(), strict=True):
+            assert torch.equal(have, want), f"{name}.{key}"
+
+
 # ---- _make: what a factory may fail with --------------------------------------------------------------
 
 
