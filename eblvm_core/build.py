@@ -251,8 +251,8 @@ def build(
     The data and the networks are made first, on the CPU, and placed on the plan's device; then
     the roles' schedules, the other parts, the estimator (which makes the roles) and the
     evaluators. ``dry_run`` (``eblvm validate``) builds without training; data sets may stand in
-    for absent files (``Parts.warn`` says so). ``early``: the data and networks, made already from
-    the random state this call starts in (``dry_run`` made them to plan).
+    for absent files (``Parts.warn`` says so). ``early``: the data and networks where they are made
+    already, from the random state this call would make them from (``dry_run`` made them to plan).
     """
     resume_gc()  # a command's start paused the collector (eblvm_core.startup)
     if not isinstance(plan, Plan):
