@@ -43,9 +43,9 @@ def test_a_pause_holds_until_resumed_which_freezes_what_exists_and_imports_dynam
     assert not tracked(before)
     after = []
     assert tracked(after)
-    frozen = gc.get_freeze_count()
+    frozen = gc.get_freeze_count()  # less as frozen objects are freed, never more without a freeze
     startup.resume_gc()  # a second build resumes nothing and freezes nothing
-    assert gc.get_freeze_count() == frozen and tracked(after)
+    assert gc.get_freeze_count() <= frozen and tracked(after)
 
 
 def test_without_a_pause_resuming_leaves_the_collector_alone(collector):
