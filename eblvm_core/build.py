@@ -199,7 +199,9 @@ NETWORKS_AND_DATA = ("data", "model", "posterior", "generator")  # the sections 
 
 
 def _early(recipe: Recipe, dry_run: bool) -> Parts:
-    """The data and the networks ([data], [model], [posterior], [generator]), made on the CPU."""
+    """The data and the networks ([data], [model], [posterior], [generator]), made on the CPU: the
+    first parts any build makes, so the collector a command's start paused is resumed here."""
+    resume_gc()  # eblvm_core.startup: what exists now is frozen, the parts made from here on are not
     early = Parts(dtype=getattr(torch, recipe.run.dtype), **_common(recipe, dry_run))
     for label in NETWORKS_AND_DATA:
         if label in recipe.parts:
@@ -254,7 +256,6 @@ def build(
     for absent files (``Parts.warn`` says so). ``early``: the data and networks where they are made
     already, from the random state this call would make them from (``dry_run`` made them to plan).
     """
-    resume_gc()  # a command's start paused the collector (eblvm_core.startup)
     if not isinstance(plan, Plan):
         plan = plan_for(recipe, None if plan is None else str(plan), dry_run=dry_run)
     dtype = getattr(torch, recipe.run.dtype)

@@ -4,10 +4,11 @@ Importing torch and ``torch._dynamo`` makes some 300,000 objects the collector t
 as long as the process. Collected as they come, and once more at exit, they cost a small ``eblvm
 run`` a quarter of its CPU time (docs/benchmarks.md, "Starting a process"). The commands that
 build (run, eval, sample, validate) run in ``paused_gc``, and a pool's worker process starts with
-``pause_gc``; the build calls ``resume_gc``, which imports what torch.optim would import on its
-first call, freezes every object that exists by then (``gc.freeze``: left out of every later
-collection) and turns collection back on. What the build makes is collected as usual. Without a
-pause (eblvm used as a library) ``resume_gc`` does nothing."""
+``pause_gc``; making a run's first parts (its data and networks, to plan or to build) calls
+``resume_gc``, which imports what torch.optim would import on its first call, freezes every object
+that exists by then (``gc.freeze``: left out of every later collection) and turns collection back
+on. What the build makes is collected as usual. Without a pause (eblvm used as a library)
+``resume_gc`` does nothing."""
 
 from __future__ import annotations
 

@@ -68,6 +68,21 @@ def test_the_build_resumes_and_what_it_builds_is_not_frozen(collector):
     assert not tracked(recipe) and tracked(built.parts.model) and tracked(built.parts.data)
 
 
+def test_a_dry_run_resumes_before_it_makes_the_parts_it_plans_with(collector, monkeypatch):
+    """validate's dry run makes the data and networks to plan, and builds with them: made after the
+    resume, they are not frozen either."""
+    import eblvm
+    from eblvm_core import build as building
+
+    recipe = eblvm.load_recipe(tomllib.loads(SMALL_RECIPE))
+    built, build = [], building.build
+    monkeypatch.setattr(building, "build", lambda *args, **kw: built.append(build(*args, **kw)) or built[-1])
+    startup.pause_gc()
+    building.dry_run(recipe)
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert not tracked(recipe) and tracked(built[0].parts.model) and tracked(built[0].parts.data)
+
+
 @pytest.mark.parametrize("command", ["run", "validate"])
 def test_a_command_pauses_and_its_build_resumes(collector, cli, write_recipe, tmp_path, command):
     result = cli([command, write_recipe(), *(["--out", tmp_path / "runs"] if command == "run" else [])])
