@@ -156,8 +156,10 @@ APART_GRACE_S = 10.0  # seconds the other process may take beyond this one's pac
 # Tensors keep the layout the eager step gives them (no channels-last convolutions): a part reads what
 # another part returns as the trace saw it (a view of it included). Inductor's own cache of compiled
 # graphs is off: eblvm keeps each part's source (inductor.compile_part), and the graph cache's key and
-# write cost 0.3 s of CPU a part.
-INDUCTOR = {"pattern_matcher": False, "layout_optimization": False, "fx_graph_cache": False}
+# write cost 0.3 s of CPU a part. A compiled part checks no input's size and strides (inductor's
+# size_asserts: some 90 checks a main-job step, a tenth of its time): its inputs are the step's own
+# tensors, which keep their shapes, and the batch, which ``CompiledStep.replay`` checks once.
+INDUCTOR = {"pattern_matcher": False, "layout_optimization": False, "fx_graph_cache": False, "size_asserts": False}
 # SIMD loops, for a graph with a tensor above SCALAR_LOOPS_BELOW elements, use the ISA the CPU's flags
 # name, without inductor's trial build of each (seconds on a new machine); scalar loops skip the ISA
 # checks altogether. Inductor keeps the first answer for the process: a process that compiled a small
@@ -474,6 +476,7 @@ class CompiledStep:
             raise Refused(f"torch {torch.__version__} has no torch._inductor.compile_to_python (torch 2.14 or later)")
         self.rates = rates
         self.tensors = [*tensors, *(rates.tensors() if rates is not None else [])]
+        self.batch_layout = _layout(example)
         start, clock = time.perf_counter(), inductor.core_clock()
         module = self._trace(step, example, owner)
         self.draws = draw_buffers(_lift_draws(module.graph))
@@ -598,7 +601,12 @@ class CompiledStep:
         return structure if isinstance(structure, dict) else {}
 
     def replay(self, batch: Tensor) -> dict[str, Tensor]:
-        """The compiled parts alone on ``batch``, reading the random numbers the draw buffers hold."""
+        """The compiled parts alone on ``batch``, reading the random numbers the draw buffers hold.
+        Raises ValueError for a batch laid out otherwise than the one the step was traced on."""
+        if _layout(batch) != self.batch_layout:
+            raise ValueError(
+                f"the compiled step was traced on batches {_describe(self.batch_layout)}, not {_describe(_layout(batch))}"
+            )
         slots = self._slots
         slots[0] = batch
         with torch.no_grad():
@@ -615,6 +623,16 @@ class CompiledStep:
         for fill in self._fills:
             fill()
         return self.replay(batch)
+
+
+def _layout(t: Tensor) -> tuple:
+    """What a compiled part assumes of an input: (shape, strides, dtype, device)."""
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _describe(layout: tuple) -> str:
+    shape, strides, dtype, device = layout
+    return f"of shape {tuple(shape)}, strides {strides}, {dtype} on {device}"
 
 
 def _tensor_attributes(owner: Any) -> dict[str, Tensor]:
