@@ -601,12 +601,27 @@ class CompiledStep:
         return structure if isinstance(structure, dict) else {}
 
     def replay(self, batch: Tensor) -> dict[str, Tensor]:
-        """The compiled parts alone on ``batch``, reading the random numbers the draw buffers hold.
-        Raises ValueError for a batch laid out otherwise than the one the step was traced on."""
+        """The compiled parts alone on ``batch``, reading the random numbers the draw buffers hold."""
+        self._check_batch(batch)
+        return self._run_parts(batch)
+
+    def __call__(self, batch: Tensor) -> dict[str, Tensor]:
+        self._check_batch(batch)
+        if self.rates is not None:
+            self.rates.write()
+        for fill in self._fills:
+            fill()
+        return self._run_parts(batch)
+
+    def _check_batch(self, batch: Tensor) -> None:
+        """Raises ValueError for a batch laid out otherwise than the one the step was traced on (the
+        parts check no input's size: ``INDUCTOR``)."""
         if _layout(batch) != self.batch_layout:
             raise ValueError(
                 f"the compiled step was traced on batches {_describe(self.batch_layout)}, not {_describe(_layout(batch))}"
             )
+
+    def _run_parts(self, batch: Tensor) -> dict[str, Tensor]:
         slots = self._slots
         slots[0] = batch
         with torch.no_grad():
@@ -616,13 +631,6 @@ class CompiledStep:
         return torch.utils._pytree.tree_unflatten(
             [slots[i] if i is not None else value for i, value in self._results], self._structure
         )
-
-    def __call__(self, batch: Tensor) -> dict[str, Tensor]:
-        if self.rates is not None:
-            self.rates.write()
-        for fill in self._fills:
-            fill()
-        return self.replay(batch)
 
 
 def _layout(t: Tensor) -> tuple:

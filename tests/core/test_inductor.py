@@ -204,8 +204,8 @@ def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
 def test_a_compiled_step_checks_the_batch_once_and_its_parts_check_no_sizes(monkeypatch, tmp_path):
     """A compiled part checks none of its inputs' sizes (a tenth of a small step's time); the step
     checks the batch once, before any part runs: a batch of another shape, strides or dtype than the
-    traced one is a one-line ValueError and the state stays as it was. A batch like the traced one
-    steps as the eager step does."""
+    traced one is a one-line ValueError, and the state and the random stream stay as they were. A
+    batch like the traced one steps as the eager step does."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     w, v, batch = torch.randn(3, 5), torch.randn(5), torch.randn(8, 3)
@@ -214,10 +214,12 @@ def test_a_compiled_step_checks_the_batch_once_and_its_parts_check_no_sizes(monk
     assert sources and not any("assert_size_stride(" in s for s in sources), "a part checks its inputs' sizes"
     before = [w.clone(), v.clone()]
     for other in (torch.randn(4, 3), torch.randn(3, 8).t(), batch.double()):
+        rng = torch.get_rng_state()
         with pytest.raises(ValueError, match=r"^the compiled step was traced on batches of shape \(8, 3\)") as info:
             compiled(other)
         assert "\n" not in str(info.value)
         assert torch.equal(w, before[0]) and torch.equal(v, before[1]), "a part ran on the refused batch"
+        assert torch.equal(torch.get_rng_state(), rng), "the refused step drew its random numbers"
     rng = torch.get_rng_state()
     eager = make_step(w.clone(), v.clone())(batch)
     torch.set_rng_state(rng)
