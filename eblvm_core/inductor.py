@@ -6,7 +6,8 @@ one compiled part, called once a repeat, so the compile sees each repeat's opera
 A part is compiled from its own functional graph (``make_fx`` of ``functionalize``, decomposed by
 inductor's table) by ``torch._inductor.compile_to_python``, without dynamo or AOTAutograd: the call
 is inductor's own ``call(args)``, no guards or runtime wrappers. Its intermediate buffers are
-allocated once, with the compiled module, instead of on every call (``preallocated``). Where a step
+allocated once, with the compiled module, instead of on every call (``preallocated``), and it
+imports only the inductor helpers it calls (``unused_imports_dropped``). Where a step
 has several parts and the machine a second core, the smaller parts are compiled in a process of
 their own (``compile_apart``, run as ``python -m eblvm_core.inductor``) while this one compiles the
 largest, and found in the cache afterwards. Compiled sources are kept in inductor's cache folder,
@@ -300,7 +301,7 @@ def compile_part(module: GraphModule, example: Sequence[Tensor], options: dict[s
                 return call
             except Exception:  # a file cut short, a kernel that no longer builds: compiled again below
                 pass
-        source = kernel_library.one_library(preallocated(_compiled_source(module, example)))
+        source = kernel_library.one_library(preallocated(unused_imports_dropped(_compiled_source(module, example))))
         call = torch._inductor.load_from_python(source)
         _write_atomically(path, source)
         return call
@@ -472,6 +473,21 @@ def _compile_jobs(payload: str) -> None:
     with torch.no_grad():
         for module, example, options in saved["jobs"]:
             compile_part(module, example, options)
+
+
+_INDUCTOR_IMPORT = re.compile(r"^from torch\._inductor\.[\w.]+ import (\w+)(?: as (\w+))?\n", re.M)
+
+
+def unused_imports_dropped(source: str) -> str:
+    """Inductor's module ``source`` without the lines importing a name from ``torch._inductor`` that
+    the module never uses: loading a kept part then skips importing what it does not call (its
+    library-call and memory-planning helpers, a second of a warm run's load)."""
+
+    def kept(line: re.Match) -> str:
+        name = line.group(2) or line.group(1)
+        return line.group(0) if len(re.findall(rf"\b{name}\b", source)) > 1 else ""
+
+    return _INDUCTOR_IMPORT.sub(kept, source)
 
 
 _ALLOCATION = re.compile(r"^(\s+)(buf\d+) = (empty_strided_cpu\(.*\))$")

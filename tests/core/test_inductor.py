@@ -165,6 +165,50 @@ def test_preallocation_leaves_source_of_another_shape_alone():
     assert inductor.preallocated("def call(args):\n    return ()\n") == "def call(args):\n    return ()\n"
 
 
+def test_an_import_from_inductor_the_module_never_uses_is_dropped():
+    """Names imported from torch._inductor and used nowhere else go (loading them costs a second);
+    used ones and other imports stay."""
+    header = [
+        "import torch\n",
+        "from math import inf\n",
+        "from torch._inductor.codegen.memory_planning import _align as align\n",
+        "from torch._inductor.select_algorithm import extern_kernels\n",
+        "from torch._inductor.hooks import run_intermediate_hooks\n",
+        "from torch._inductor.async_compile import AsyncCompile\n",
+    ]
+    body = "async_compile = AsyncCompile()\n\ndef call(args):\n    return (align(13), args[0] + 1)\n"
+    source = "".join(header) + body
+    dropped = inductor.unused_imports_dropped(source)
+    assert dropped == "".join(header[:3] + header[5:]) + body
+    assert run_source(dropped)["call"]([torch.tensor(1.0)])[1] == 2.0
+    used = source.replace("args[0] + 1", "extern_kernels.mm(args[0], args[0])")
+    assert "import extern_kernels\n" in inductor.unused_imports_dropped(used)
+
+
+@pytest.mark.slow
+def test_a_kept_part_without_library_calls_loads_without_inductors_library_call_helpers(monkeypatch, tmp_path):
+    """A part of fused loops alone: its kept source imports neither inductor's library-call
+    (select_algorithm) nor memory-planning module, and computes what the part does."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def part(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        w.mul_(0.5).add_(x.tanh().mean(0))
+        return ((x * w).sum(),)
+
+    x, w = torch.randn(4, 3), torch.randn(3)
+    module = make_fx(part)(x, w.clone())
+    changed = w.clone()
+    with torch.no_grad():
+        (total,) = inductor.compile_part(module, [x, changed], {"pattern_matcher": False})([x, changed])
+    (source,) = [p.read_text() for p in (tmp_path / "eblvm").glob("*.py")]
+    assert "torch._inductor.select_algorithm import" not in source.split('"""')[-1]
+    assert "torch._inductor.codegen.memory_planning import" not in source.split('"""')[-1]
+    expected_w = w.clone()
+    (expected,) = part(x, expected_w)
+    torch.testing.assert_close(total, expected)
+    torch.testing.assert_close(changed, expected_w)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("apart", [False, True], ids=["one process", "the repeat compiled by another"])
 def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
