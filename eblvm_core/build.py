@@ -213,15 +213,23 @@ def _common(recipe: Recipe, dry_run: bool) -> dict[str, Any]:
     return {"registries": load().registries, "batch_size": recipe.run.batch_size, "dry_run": dry_run}
 
 
+def _counted(recipe: Recipe, dry_run: bool) -> tuple[Sizes, Parts]:
+    """The data and the networks (``_early``) and the networks' parameter counts; a ConfigError
+    names the recipe."""
+    try:
+        early = _early(recipe, dry_run)
+    except ConfigError as exc:
+        recipe.blame(exc)
+        raise
+    return Sizes.of(early.networks()), early
+
+
 def measure(recipe: Recipe, dry_run: bool = False) -> Sizes:
     """The networks' parameter counts, from the data and the networks made once and thrown away
     (every RNG put back): what the plan's device and thread choices weigh."""
     rng = ckpt.rng_state()
     try:
-        return Sizes.of(_early(recipe, dry_run).networks())
-    except ConfigError as exc:
-        recipe.blame(exc)
-        raise
+        return _counted(recipe, dry_run)[0]
     finally:
         ckpt.set_rng_state(rng)
 
@@ -327,16 +335,13 @@ def dry_run(recipe: Recipe | str | Path, overrides: Sequence[str] = (), check_da
     made: list[Parts] = []  # the data and networks, where the plan weighed them: built once, not twice
 
     def sizes() -> Sizes:
-        made.append(_early(recipe, stand_in))
-        return Sizes.of(made[0].networks())
+        counted, early = _counted(recipe, stand_in)
+        made.append(early)
+        return counted
 
     with torch.random.fork_rng(devices=[]):
         ckpt.seed_everything(recipe.run.seed or 0)  # planning draws nothing: what sizes() made, build would
-        try:
-            plan = make_plan(recipe, sizes)  # what run would refuse of the device, on this machine
-        except ConfigError as exc:
-            recipe.blame(exc)
-            raise
+        plan = make_plan(recipe, sizes)  # what run would refuse of the device, on this machine
         plan_or_cpu = plan if plan.device.type == "cpu" else "cpu"
         built = build(recipe, plan_or_cpu, dry_run=stand_in, early=made[0] if made else None)
     return list(dict.fromkeys(built.parts.warnings))
