@@ -1,5 +1,7 @@
 """CPU and wall time of short eblvm commands, each a new process, with the garbage collector paused
-while torch loads (what eblvm does, eblvm_core/startup.py) and without the pause (docs/benchmarks.md).
+while torch loads (what eblvm does, eblvm_core/startup.py) and without the pause; and of a
+comparison with two worker processes forked from a server that loaded torch once (what eblvm does)
+and spawned, each loading torch again (docs/benchmarks.md).
 
     python benchmarks/bench_startup.py [--rounds 5]
     python benchmarks/bench_startup.py --smoke      # one round of validate: a check, in seconds
@@ -9,11 +11,17 @@ Each command runs as ``python -c`` of eblvm's entry point, once as it is and onc
 the pause alone; the two take turns ``--rounds`` times. A process's CPU time is its user + system
 time (``resource.RUSAGE_CHILDREN``). Both must print the same final lines (a run's evaluation,
 validate's ``ok``): the script stops where they differ.
+
+The comparison (2 methods × 2 seeds of 20 steps, ``--jobs 2``) runs as it is and with
+``multiprocessing.get_all_start_methods`` answering spawn alone. Its fork server is not this
+script's child, so its CPU time is the machine's (``/proc/stat``, Linux; skipped elsewhere): run it
+on a quiet machine. Both must give the same final evaluations (results.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import resource
@@ -29,6 +37,20 @@ COMMANDS = {
 }
 ENTRY = "import sys; from eblvm_core.cli import main; sys.argv = ['eblvm', *sys.argv[1:]]; main()"
 NO_PAUSE = "import eblvm_core.startup as startup; startup.pause_gc = lambda: None; " + ENTRY
+SPAWNED = "import multiprocessing; multiprocessing.get_all_start_methods = lambda: ['spawn']; " + ENTRY
+POOL_SPEC = """[compare]
+name = "pool"
+metrics = ["eval/exact-loglik/test_loglik"]
+overrides = ["run.steps=20", "run.compile=false", "data.n_train=500", "data.n_test=200"]
+
+[[method]]
+name = "CD"
+recipe = "{cd}"
+
+[[method]]
+name = "DSM"
+recipe = "{dsm}"
+"""
 
 
 def timed(code: str, args: list[str], cwd: str) -> tuple[float, float, list[str]]:
@@ -70,6 +92,47 @@ def main() -> None:
                 f"not paused {not_paused:.2f} CPU-s ({statistics.median(wall['not paused']):.2f} s wall): "
                 f"{not_paused / paused:.2f}x the CPU"
             )
+        if not args.smoke and os.path.exists("/proc/stat"):
+            pool(rounds, cwd)
+
+
+def busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (every process), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:]]
+    idle, iowait = fields[3], fields[4]
+    return (sum(fields[:8]) - idle - iowait) / os.sysconf("SC_CLK_TCK")
+
+
+def pool(rounds: int, cwd: str) -> None:
+    """The comparison with its workers forked from the fork server and spawned, taking turns."""
+    from eblvm_core.recipe.library import recipe_file
+
+    spec = os.path.join(cwd, "pool.toml")
+    with open(spec, "w") as file:
+        file.write(POOL_SPEC.format(cd=recipe_file("grbm_cd"), dsm=recipe_file("grbm_dsm")))
+    variants = {"forked": ENTRY, "spawned": SPAWNED}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(rounds):
+        finals = {}
+        for variant, code in variants.items():
+            out = os.path.join(cwd, f"pool-{variant}-{round_}")
+            command = ["compare", spec, "--seeds", "2", "--jobs", "2", "--out", out, "--device", "cpu"]
+            busy = busy_seconds()
+            _, elapsed, _ = timed(code, command, cwd)
+            cpu[variant].append(busy_seconds() - busy)
+            wall[variant].append(elapsed)
+            with open(os.path.join(out, "results.json")) as results:
+                finals[variant] = sorted((r["method"], r["seed"], r["final"]) for r in json.load(results)["runs"])
+        if finals["forked"] != finals["spawned"]:
+            raise SystemExit(f"compare: the final evaluations differ: {finals}")
+    forked, spawned = (statistics.median(cpu[v]) for v in variants)
+    print(
+        f"  compare, 2 methods x 2 seeds, --jobs 2: forked {forked:.2f} CPU-s of the machine "
+        f"({statistics.median(wall['forked']):.2f} s wall), spawned {spawned:.2f} CPU-s "
+        f"({statistics.median(wall['spawned']):.2f} s wall): {spawned / forked:.2f}x the CPU"
+    )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The tools eblvm's plugins share, for any plugin: parameters as dicts and differentiable optimizer
 steps, Hessian-vector products and linear solvers (bi-level estimators), MCMC transitions (MALA,
-HMC), step-size adaptation and chain diagnostics (ESS, split R-hat), the collectives of
-several processes, a worker process's quick start (``pause_gc``: a pool's initializer), image
-pipelines, figures, and the names of a run directory's files. The contracts are in
-``eblvm.plugin``.
+HMC), step-size adaptation and chain diagnostics (ESS, split R-hat), the collectives of several
+processes, a pool of run workers that start quickly (``worker_pool``; ``pause_gc``, a pool's
+initializer of one's own), image pipelines, figures, and the names of a run directory's files.
+The contracts are in ``eblvm.plugin``.
 
     >>> import torch
     >>> from eblvm.tools import apply_override, did_you_mean, hvp
@@ -65,7 +65,7 @@ from eblvm_core.recipe.library import names as bundled_recipes
 from eblvm_core.recipe.library import recipe_file
 from eblvm_core.registry import did_you_mean
 from eblvm_core.rundir import METRICS, PROVENANCE, RECIPE, hyperparameters
-from eblvm_core.startup import pause_gc
+from eblvm_core.startup import pause_gc, worker_pool
 
 __all__ = [
     # bi-level steps
@@ -101,6 +101,7 @@ __all__ = [
     "mean_over_ranks",
     "world_size",
     "pause_gc",
+    "worker_pool",
     # evaluations, images and figures
     "evaluation_mode",
     "ImageOptions",

@@ -26,14 +26,13 @@ import functools
 import hashlib
 import json
 import math
-import multiprocessing
 import os
 import shlex
 import statistics
 import sys
 import time
 from collections.abc import Callable, Container, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import torch
 from torch import Tensor
 
 from eblvm.plugin import ConfigError, EblvmError, TrainingDiverged
-from eblvm.tools import RECIPE, output_folder, pause_gc
+from eblvm.tools import RECIPE, output_folder, worker_pool
 from eblvm_experiments.launcher import Job
 from eblvm_experiments.spec import Spec, load_spec, select, slug
 
@@ -355,9 +354,7 @@ def compare(
     if cluster is not None:
         _run_jobs(launcher, cluster, spec, tasks, pending, live, out, echo, done, failed)
     elif jobs > 1 and len(pending) > 1:
-        with ProcessPoolExecutor(
-            max_workers=jobs, mp_context=multiprocessing.get_context("spawn"), initializer=pause_gc
-        ) as pool:
+        with worker_pool(jobs) as pool:
             futures = {pool.submit(run_one, tasks[index]): index for index in pending}
             try:
                 for future in as_completed(futures):

@@ -30,12 +30,12 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 from typing import Any
 
 from eblvm.plugin import ConfigError, EblvmError, Interrupted, TrainingDiverged
-from eblvm.tools import output_file, output_folder, pause_gc
+from eblvm.tools import output_file, output_folder, worker_pool
 from eblvm_experiments.launcher import Job
 from eblvm_experiments.search_spec import PRUNERS, SAMPLERS, SearchSpec, check_optuna_options, load_search_spec
 
@@ -380,7 +380,7 @@ def _again(spec_path: str | Path) -> str:
 
 
 def _work_here(spec: SearchSpec, out: Path, url: str, device: str | None, worker: int, command: str) -> None:
-    """A worker process of ``--workers N`` (spawned): lines straight to the console."""
+    """A worker process of ``--workers N`` (``worker_pool``): lines straight to the console."""
     work(spec, out, url, device, worker, lambda line: print(line, flush=True), command)
 
 
@@ -436,10 +436,7 @@ def search(
         elif workers == 1:
             work(spec, out, url, device, 0, echo, command)
         else:
-            import multiprocessing
-
-            context = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=pause_gc) as pool:
+            with worker_pool(workers) as pool:
                 futures = [pool.submit(_work_here, spec, out, url, device, w, command) for w in range(workers)]
                 errors = []
                 try:

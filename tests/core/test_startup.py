@@ -1,10 +1,13 @@
 """A command's start without the cyclic garbage collector (eblvm_core.startup): paused by the
 commands that build, resumed by the build with what exists frozen and what the build makes not,
-and on again after a command that failed before its build."""
+and on again after a command that failed before its build. A pool of run workers forked from a
+server that loaded torch once."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import sys
 import tomllib
 
@@ -94,3 +97,26 @@ def test_a_command_that_fails_before_its_build_turns_collection_on_again(collect
     result = cli(["run", write_recipe(SMALL_RECIPE.replace("steps = 30", "steps = -1")), "--out", tmp_path / "runs"])
     assert result.exit_code == 2 and "steps" in result.output
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def worker_start(name: str) -> tuple[int, str | None, bool, bool]:
+    """What a pool's worker sees at its first task: its parent's process id, the variable ``name``,
+    whether collection is on, and whether its process had loaded eblvm's worker imports."""
+    return os.getppid(), os.environ.get(name), gc.isenabled(), "eblvm_core.worker_imports" in sys.modules
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("forkserver" not in multiprocessing.get_all_start_methods(), reason="no fork server here")
+def test_a_pools_workers_fork_from_a_server_that_loaded_torch_and_see_the_environment_of_now(monkeypatch):
+    """Two pools one after the other: each worker is forked from the one fork server (not from this
+    process), which loaded torch and a run's modules; it starts with collection paused and with
+    this process's environment when its pool was made, also a variable set after the server began."""
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv("EBLVM_TEST_POOL", value)
+        with startup.worker_pool(2) as pool:
+            seen.append(pool.submit(worker_start, "EBLVM_TEST_POOL").result(timeout=120))
+    servers = {parent for parent, *_ in seen}
+    assert len(servers) == 1 and os.getpid() not in servers
+    assert [variable for _, variable, *_ in seen] == ["first", "second"]
+    assert all(not collecting and preloaded for _, _, collecting, preloaded in seen)
