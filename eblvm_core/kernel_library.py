@@ -176,7 +176,12 @@ static PyObject* call_{n}(PyObject*, PyObject* args) {{
         return nullptr;
     }}
 {read}    if (PyErr_Occurred()) return nullptr;
-    kernel_{n}::kernel({arguments});
+    try {{
+        kernel_{n}::kernel({arguments});
+    }} catch (const std::exception& error) {{  // a kernel's check (an integer division by zero)
+        PyErr_SetString(PyExc_RuntimeError, error.what());
+        return nullptr;
+    }}
     Py_RETURN_NONE;
 }}
 """
@@ -184,6 +189,7 @@ _MODULE = """
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <cstdlib>
+#include <exception>
 
 static void* (*tensor_data)(PyObject*) = nullptr;
 {bindings}

@@ -24,6 +24,15 @@ extern "C"  void  kernel(float* in_out_ptr0, const float scale)
 }}
 """
 
+DIVIDE = f"""{HEADER}
+extern "C"  void  kernel(float* in_out_ptr0, const int64_t ks0)
+{{
+    std::atomic<int> divided_by_zero{{ks0 == 0 ? 1 : 0}};  // as inductor's integer division notes one
+    inductor_cpu_throw_if_integer_div_error(divided_by_zero);
+    in_out_ptr0[0] = static_cast<float>(ks0);
+}}
+"""
+
 
 def module_source(*kernels: tuple[list[str], str]) -> str:
     """A module as inductor writes one: kernels declared to ``async_compile``, then waited for."""
@@ -63,13 +72,15 @@ def test_while_inductor_writes_the_source_its_kernels_are_stand_ins_that_refuse_
 @pytest.mark.slow
 def test_a_library_binds_each_kernel_with_its_tensor_and_scalar_arguments(monkeypatch, tmp_path):
     """Kernel n of the library is the kernel declared n-th: tensors reach it as data pointers,
-    integers and floats as C++ scalars; both kernels come from one compiler call."""
+    integers and floats as C++ scalars; the kernels come from one compiler call; a kernel's check
+    that fails (inductor's integer division by zero) raises in Python, as inductor's binding does."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr("torch._inductor.async_compile.get_compile_threads", lambda: 1)
     library = KernelLibrary()
     scope = {
         "double": library.kernel(["const float*", "float*", "const int64_t"], DOUBLE),
         "shift": library.kernel(["float*", "const float"], SHIFT),
+        "divide": library.kernel(["float*", "const int64_t"], DIVIDE),
     }
     built = []
     monkeypatch.setattr(
@@ -78,7 +89,7 @@ def test_a_library_binds_each_kernel_with_its_tensor_and_scalar_arguments(monkey
         lambda self, indices, f=KernelLibrary._build_file: built.append(indices) or f(self, indices),
     )
     library.build(scope)
-    assert built == [[0, 1]]
+    assert built == [[0, 1, 2]]
     x, out = torch.arange(5.0), torch.zeros(5)
     scope["double"](x, out, 3)
     assert out.tolist() == [0.0, 2.0, 4.0, 0.0, 0.0]
@@ -87,6 +98,10 @@ def test_a_library_binds_each_kernel_with_its_tensor_and_scalar_arguments(monkey
     assert y.tolist() == [1.0, 1.5, 2.0, 2.5]
     with pytest.raises(TypeError, match="takes 2 arguments"):
         scope["shift"](y)
+    scope["divide"](y, 3)
+    assert y[0] == 3.0
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        scope["divide"](y, 0)
 
 
 def many_kernels(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
