@@ -168,10 +168,11 @@ SIMD = {"cpp.vec_isa_ok": True}
 SCALAR = {"cpp.vec_isa_ok": False}
 # Each kernel inductor writes is a C++ file of its own, whose header takes a second or two to read.
 # A part with no library call (a convolution, a large matrix product) fuses into one kernel, and its
-# header is read once; one with library calls between its operations is many kernels, and reads the
-# header precompiled (built once a machine, 150 MB beside inductor's cache: a few seconds, which
-# one kernel would not repay; the digits BiMDSM step compiles 3.5 times as fast with it). Once the
-# machine has the precompiled header, every part reads it (0.5 s a kernel instead of 2.5).
+# header is read once (a plain kernel's, kernel_library.PLAIN_HEADER, in a tenth of the time); one
+# with library calls between its operations is many kernels, and reads the header precompiled
+# (built once a machine, 150 MB beside inductor's cache: a few seconds, which one kernel would not
+# repay; the digits BiMDSM step compiles 3.5 times as fast with it). Once the machine has the
+# precompiled header, every part reads it (0.5 s a kernel instead of 2.5).
 LIBRARY_CALLS = {
     aten.convolution.default,
     aten.convolution_backward.default,

@@ -1,6 +1,7 @@
 """Inductor's CPU kernels of one compiled part built as one C++ library (``eblvm_core.kernel_library``):
-the rewrite of inductor's module, the library's bindings, and a part of many kernels computing
-what its graph computes with one compiler call a compile thread."""
+the rewrite of inductor's module, the library's bindings, a part of many kernels computing what
+its graph computes with one compiler call a compile thread, and plain kernels built without
+inductor's header."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from eblvm_core import inductor, kernel_library
-from eblvm_core.kernel_library import HEADER, KernelLibrary, one_library
+from eblvm_core.kernel_library import HEADER, PLAIN_HEADER, KernelLibrary, one_library
 
 DOUBLE = f"""{HEADER}
 extern "C"  void  kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)
@@ -43,7 +44,7 @@ def module_source(*kernels: tuple[list[str], str]) -> str:
     return f"async_compile = AsyncCompile()\n\n{declared}\n{tail}"
 
 
-def test_two_or_more_kernels_are_declared_to_one_library_and_anything_else_is_left_alone():
+def test_a_modules_kernels_are_declared_to_one_library_and_anything_else_is_left_alone():
     double, shift = (["const float*", "float*", "const int64_t"], DOUBLE), (["float*", "const float"], SHIFT)
     source = module_source(double, shift)
     rewritten = one_library(source)
@@ -51,7 +52,7 @@ def test_two_or_more_kernels_are_declared_to_one_library_and_anything_else_is_le
     assert rewritten.count(" = _library.kernel(") == 2
     assert rewritten.index("_library.build(globals())") > rewritten.index("async_compile.wait(globals())")
     assert rewritten.endswith("def call(args):\n    pass\n")
-    assert one_library(module_source(double)) == module_source(double), "one kernel: nothing to share"
+    assert one_library(module_source(double)).count(" = _library.kernel(") == 1, "one kernel: its header"
     included = (["float*", "const float"], SHIFT.replace(HEADER, HEADER + "\n#include <cmath>"))
     assert one_library(module_source(double, included)) == module_source(double, included), "an include of its own"
     unread = (["float*", "const bool"], SHIFT)
@@ -86,7 +87,7 @@ def test_a_library_binds_each_kernel_with_its_tensor_and_scalar_arguments(monkey
     monkeypatch.setattr(
         KernelLibrary,
         "_build_file",
-        lambda self, indices, f=KernelLibrary._build_file: built.append(indices) or f(self, indices),
+        lambda self, indices, plain, f=KernelLibrary._build_file: built.append(indices) or f(self, indices, plain),
     )
     library.build(scope)
     assert built == [[0, 1, 2]]
@@ -135,3 +136,66 @@ def test_a_part_of_many_kernels_computes_its_graph_with_one_compiler_call_a_thre
     assert kernels >= 3, "the graph should have several kernels"
     assert len(loads) == threads and sum(code.count("\nnamespace kernel_") for code in loads) == kernels
     torch.testing.assert_close(got, many_kernels(x, w)[0])
+
+
+def test_a_kernel_is_plain_when_it_calls_only_the_standard_library_and_casts_to_float():
+    plain = (
+        "void kernel(float* out_ptr0) { auto t = c10::convert<float>(out_ptr0[0] < 1.0f); out_ptr0[0] = std::exp(t); }"
+    )
+    assert kernel_library._plain(f'{HEADER}\nextern "C" {plain}')
+    for other in [
+        plain.replace("c10::convert<float>", "c10::convert<int64_t>"),  # inductor's header rounds toward zero its way
+        plain.replace("std::exp(t)", "at::vec::Vectorized<float>(t)[0]"),
+        plain.replace("std::exp(t)", "max_propagate_nan(t, 0.0f)"),  # a helper of inductor's header
+    ]:
+        assert not kernel_library._plain(other), other
+
+
+def thresholded(x: torch.Tensor) -> tuple[torch.Tensor]:
+    """Pointwise maths and a comparison cast to float: one plain kernel."""
+    return (((x < 0.5).float() * x.sigmoid() + x.exp().log1p()).sum(),)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precompiled", [False, True])
+def test_a_plain_kernel_reads_the_plain_header_unless_inductors_is_precompiled(monkeypatch, tmp_path, precompiled):
+    """Inductor's kernel of a pointwise graph, built with PLAIN_HEADER where no precompiled header
+    is in use, computes what the graph computes; with the precompiled header, that header."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    loads: list[str] = []
+    load = CppPythonBindingsCodeCache.load_async.__func__
+    monkeypatch.setattr(
+        CppPythonBindingsCodeCache,
+        "load_async",
+        classmethod(lambda cls, code, *a, **k: loads.append(code) or load(cls, code, *a, **k)),
+    )
+    x = torch.linspace(-2.0, 2.0, 37)
+    options = {"cpp.vec_isa_ok": False, "cpp_cache_precompile_headers": precompiled}
+    with torch.no_grad():
+        (got,) = inductor.compile_part(make_fx(thresholded)(x), [x], options)([x])
+    (code,) = loads
+    assert code.startswith(HEADER if precompiled else PLAIN_HEADER)
+    torch.testing.assert_close(got, thresholded(x)[0])
+
+
+UNSEEN = f"""{HEADER}
+extern "C"  void  kernel(float* in_out_ptr0)
+{{
+    in_out_ptr0[0] = static_cast<float>(IsVecType<float>::value) + 1.0f;  // a name of inductor's header
+}}
+"""
+
+
+@pytest.mark.slow
+def test_a_kernel_that_does_not_build_with_the_plain_header_is_built_with_inductors(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("torch._inductor.config.cpp_cache_precompile_headers", False)
+    assert kernel_library._plain(UNSEEN)  # no call, no namespace: only the build can tell
+    library = KernelLibrary()
+    scope = {"unseen": library.kernel(["float*"], UNSEEN)}
+    library.build(scope)
+    y = torch.zeros(1)
+    scope["unseen"](y)
+    assert y.tolist() == [1.0]
