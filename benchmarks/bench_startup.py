@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 COMMANDS = {
     "validate grbm_bissm": ["validate", "grbm_bissm"],
@@ -38,6 +40,7 @@ COMMANDS = {
 ENTRY = "import sys; from eblvm_core.cli import main; sys.argv = ['eblvm', *sys.argv[1:]]; main()"
 NO_PAUSE = "import eblvm_core.startup as startup; startup.pause_gc = lambda: None; " + ENTRY
 SPAWNED = "import multiprocessing; multiprocessing.get_all_start_methods = lambda: ['spawn']; " + ENTRY
+Measured = tuple[float, float, Any]  # CPU seconds, wall seconds, a result both variants must share
 POOL_SPEC = """[compare]
 name = "pool"
 metrics = ["eval/exact-loglik/test_loglik"]
@@ -65,6 +68,29 @@ def timed(code: str, args: list[str], cwd: str) -> tuple[float, float, list[str]
     return cpu, wall, lines
 
 
+def taking_turns(name: str, variants: dict[str, str], rounds: int, measure: Callable[[str], Measured]) -> None:
+    """Print the median CPU and wall seconds of each of the two ``variants`` (label: code), measured
+    by ``measure(code) -> (CPU s, wall s, result)`` taking turns ``rounds`` times, and the second's
+    CPU over the first's; stop where the results of a round differ."""
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        results = {}
+        for variant, code in variants.items():
+            seconds, elapsed, results[variant] = measure(code)
+            cpu[variant].append(seconds)
+            wall[variant].append(elapsed)
+        first_result, second_result = results.values()
+        if first_result != second_result:
+            raise SystemExit(f"{name}: the results differ: {results}")
+    (first, first_cpu), (second, second_cpu) = ((v, statistics.median(cpu[v])) for v in variants)
+    print(
+        f"  {name}: {first} {first_cpu:.2f} CPU-s ({statistics.median(wall[first]):.2f} s wall), "
+        f"{second} {second_cpu:.2f} CPU-s ({statistics.median(wall[second]):.2f} s wall): "
+        f"{second_cpu / first_cpu:.2f}x the CPU"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
@@ -72,26 +98,11 @@ def main() -> None:
     args = parser.parse_args()
     commands = {"validate grbm_bissm": COMMANDS["validate grbm_bissm"]} if args.smoke else COMMANDS
     rounds = 1 if args.smoke else args.rounds
-    variants = {"paused": ENTRY, "not paused": NO_PAUSE}
     print(f"{sys.platform}, {os.cpu_count()} cores, {rounds} rounds; median CPU and wall seconds of a process")
     with tempfile.TemporaryDirectory() as cwd:
         for name, command in commands.items():
-            cpu: dict[str, list[float]] = {v: [] for v in variants}
-            wall: dict[str, list[float]] = {v: [] for v in variants}
-            for _ in range(rounds):
-                outputs = {}
-                for variant, code in variants.items():
-                    seconds, elapsed, outputs[variant] = timed(code, command, cwd)
-                    cpu[variant].append(seconds)
-                    wall[variant].append(elapsed)
-                if outputs["paused"] != outputs["not paused"]:
-                    raise SystemExit(f"{name}: the outputs differ: {outputs}")
-            paused, not_paused = (statistics.median(cpu[v]) for v in variants)
-            print(
-                f"  {name}: paused {paused:.2f} CPU-s ({statistics.median(wall['paused']):.2f} s wall), "
-                f"not paused {not_paused:.2f} CPU-s ({statistics.median(wall['not paused']):.2f} s wall): "
-                f"{not_paused / paused:.2f}x the CPU"
-            )
+            variants = {"paused": ENTRY, "not paused": NO_PAUSE}
+            taking_turns(name, variants, rounds, lambda code, command=command: timed(code, command, cwd))
         if not args.smoke and os.path.exists("/proc/stat"):
             pool(rounds, cwd)
 
@@ -105,34 +116,25 @@ def busy_seconds() -> float:
 
 
 def pool(rounds: int, cwd: str) -> None:
-    """The comparison with its workers forked from the fork server and spawned, taking turns."""
+    """The comparison with its workers forked from the fork server and spawned, taking turns; its
+    CPU seconds are the machine's, its result each run's final evaluations."""
     from eblvm_core.recipe.library import recipe_file
 
     spec = os.path.join(cwd, "pool.toml")
     with open(spec, "w") as file:
         file.write(POOL_SPEC.format(cd=recipe_file("grbm_cd"), dsm=recipe_file("grbm_dsm")))
-    variants = {"forked": ENTRY, "spawned": SPAWNED}
-    cpu: dict[str, list[float]] = {v: [] for v in variants}
-    wall: dict[str, list[float]] = {v: [] for v in variants}
-    for round_ in range(rounds):
-        finals = {}
-        for variant, code in variants.items():
-            out = os.path.join(cwd, f"pool-{variant}-{round_}")
-            command = ["compare", spec, "--seeds", "2", "--jobs", "2", "--out", out, "--device", "cpu"]
-            busy = busy_seconds()
-            _, elapsed, _ = timed(code, command, cwd)
-            cpu[variant].append(busy_seconds() - busy)
-            wall[variant].append(elapsed)
-            with open(os.path.join(out, "results.json")) as results:
-                finals[variant] = sorted((r["method"], r["seed"], r["final"]) for r in json.load(results)["runs"])
-        if finals["forked"] != finals["spawned"]:
-            raise SystemExit(f"compare: the final evaluations differ: {finals}")
-    forked, spawned = (statistics.median(cpu[v]) for v in variants)
-    print(
-        f"  compare, 2 methods x 2 seeds, --jobs 2: forked {forked:.2f} CPU-s of the machine "
-        f"({statistics.median(wall['forked']):.2f} s wall), spawned {spawned:.2f} CPU-s "
-        f"({statistics.median(wall['spawned']):.2f} s wall): {spawned / forked:.2f}x the CPU"
-    )
+
+    def measure(code: str) -> Measured:
+        out = os.path.join(tempfile.mkdtemp(dir=cwd), "results")
+        command = ["compare", spec, "--seeds", "2", "--jobs", "2", "--out", out, "--device", "cpu"]
+        busy = busy_seconds()
+        _, elapsed, _ = timed(code, command, cwd)
+        cpu = busy_seconds() - busy
+        with open(os.path.join(out, "results.json")) as results:
+            return cpu, elapsed, sorted((r["method"], r["seed"], r["final"]) for r in json.load(results)["runs"])
+
+    name = "compare, 2 methods x 2 seeds, --jobs 2 (the machine's CPU)"
+    taking_turns(name, {"forked": ENTRY, "spawned": SPAWNED}, rounds, measure)
 
 
 if __name__ == "__main__":

@@ -215,10 +215,11 @@ def _balanced(indices: list[int], kernels: list[tuple[list[str], str]], files: i
 
 
 def library_source(kernels: list[tuple[list[str], str]], header: str = HEADER) -> str:
-    """One C++ file of ``kernels`` (argument types, inductor's code) after ``header``, kernel ``n`` in namespace
-    ``kernel_n`` and bound as ``kernel_n`` of a Python module named ``kernel`` (the name inductor's
-    loader initialises a module by). Arguments are read as inductor's own bindings read them:
-    tensors by the data-pointer function whose address inductor's loader puts in the environment."""
+    """One C++ file of ``kernels`` (argument types, inductor's code) after ``header``, kernel ``n``
+    in namespace ``kernel_n`` and bound as ``kernel_n`` of a Python module named ``kernel`` (the
+    name inductor's loader initialises a module by). Arguments are read as inductor's own bindings
+    read them: tensors by the data-pointer function whose address inductor's loader puts in the
+    environment."""
     namespaces, bindings, methods = [header], [], []
     for n, (argtypes, code) in enumerate(kernels):
         body = _SIGNATURE.sub("void kernel(", code.replace(HEADER, "", 1), count=1)
