@@ -108,13 +108,21 @@ def leave_process_group() -> None:
     """Tear the default process group down on every rank together: every rank past its last
     collective before any tears the group down, and every group torn down before any rank exits.
     A rank that exits while a peer's gloo threads still talk to it can abort that peer
-    ("terminate called without an active exception", exit -6)."""
+    ("terminate called without an active exception", exit -6). The rank that serves the store
+    leaves last: a peer still asking the store when its host exits prints torch's "recvValue
+    failed ... Connection reset by peer" warning with a C++ stack trace."""
     global _groups_torn_down
     store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
     dist.barrier()
     dist.destroy_process_group()
     _groups_torn_down += 1  # a key per group: every rank joins and leaves groups in the same order
     wait_for_all(store, f"eblvm/torn_down/{_groups_torn_down}", world)
+    left = f"eblvm/left/{_groups_torn_down}"  # each peer's last call to the store
+    if _served_store is not None:
+        wait_for_all(store, left, world)
+    else:
+        with contextlib.suppress(Exception):
+            store.add(left, 1)
 
 
 def wait_for_all(store: Any, key: str, world: int, seconds: float = 30.0) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -103,6 +104,11 @@ def wait(procs: list[subprocess.Popen], logs: Path) -> list[int]:
 
 def read_logs(logs: Path) -> str:
     return "\n".join(p.read_text() for p in sorted(logs.parent.glob(f"{logs.name}.rank*")))
+
+
+def torch_log_lines(output: str) -> list[str]:
+    """The warnings and errors torch's C++ code logged (``[W1207 09:45:23.449 TCPStore.cpp:125] ...``)."""
+    return re.findall(r"^\[[WE]\d{4} .*$", output, flags=re.MULTILINE)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -218,6 +224,7 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     output = "\n".join(line for line in lines if not line.startswith("import time:"))
     assert two.returncode == 0, output
     assert output.count("done: ") == 1 and "2 processes" in output
+    assert not torch_log_lines(output), output  # e.g. a rank asking the store after its host exited
     assert "eblvm_core.processes" in imported and "torch" not in imported, "the launching process imported torch"
 
     one_dir, two_dir = only_run_dir(tmp_path / "one"), only_run_dir(tmp_path / "two")
@@ -390,6 +397,7 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(inte
     assert f"resume with: eblvm run --resume {run_dir} --nproc-per-node 2" in stopped[0]
     for noise in ("Traceback", "Warning", "OMP_NUM_THREADS", "SignalException"):
         assert noise not in output, output
+    assert not torch_log_lines(output), output
     at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
     # the row at step 100 is written before the ranks agree at that step, so a signal seen then stops at 100
     assert 100 <= at < 300 and at % 50 == 0
@@ -405,6 +413,7 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(inte
     resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
     assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
     assert f"resuming {run_dir} at step {at}" in (tmp_path / "resumed.log").read_text()
+    assert not torch_log_lines((tmp_path / "resumed.log").read_text())
     assert_same_run(networks(run_dir), finished_full(interrupt_runs))
 
 
