@@ -1,6 +1,6 @@
 """Data parallelism on torch.distributed: two CPU processes (gloo) against one process fed the
-union of their batches, kill and resume under two processes, a NaN on one rank, and the
-helpers without a process group.
+union of their batches; a kill -9 and Ctrl-Cs under two processes, each resumed to end level with
+one uninterrupted run; a NaN on one rank; and the helpers without a process group.
 
 The multi-process tests launch `python -m eblvm` twice with torchrun's environment (RANK,
 WORLD_SIZE, MASTER_ADDR, ...) or through `eblvm run --nproc-per-node 2` (torchrun itself), with
@@ -27,7 +27,7 @@ import torch
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
-from tests.support import BISM, ROOT, SMALL_RECIPE, only_run_dir
+from tests.support import ROOT, SMALL_RECIPE, only_run_dir
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
@@ -266,48 +266,7 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     assert len(rngs) == 2 and torch.equal(rngs[0], state["rng"]["torch"]) and not torch.equal(rngs[0], rngs[1])
 
 
-# ---- kill and resume, NaN ------------------------------------------------------------------------
-
-
-def test_kill_and_resume_under_two_processes_matches_the_uninterrupted_run(tmp_path):
-    """PCD: every rank has its own chains and random stream; both are checkpointed by rank 0 and
-    restored rank by rank, so the resumed run ends bit-identical to the uninterrupted one."""
-    steps = 200
-    recipe = write_recipe(
-        tmp_path / "pcd.toml",
-        "grbm_pcd",
-        {"steps": steps, "log_every": 100, "checkpoint_every": 20, "eval_every": 0},
-        data={"kind": "checkerboard", "n_train": 2000, "n_test": 200},
-        estimator={"kind": "pcd", "k": 1, "n_chains": 50},
-        eval=[{"kind": "exact-loglik"}],
-    )
-    uninterrupted = launch([recipe, "--out", tmp_path / "full"], tmp_path / "full")
-    procs = launch([recipe, "--out", tmp_path / "killed"], tmp_path / "killed")
-    deadline = time.time() + TIMEOUT
-    while time.time() < deadline and all(p.poll() is None for p in procs):
-        if list((tmp_path / "killed").glob("*/*/checkpoints/last.pt")):
-            break
-        time.sleep(0.01)
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-    assert wait(uninterrupted, tmp_path / "full") == [0, 0], read_logs(tmp_path / "full")
-    killed_dir = only_run_dir(tmp_path / "killed")
-    killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
-    assert killed_at < steps, "the run finished before it could be killed; the test proves nothing"
-
-    logs = tmp_path / "resumed"
-    assert wait(launch(["--resume", killed_dir], logs), logs) == [0, 0], read_logs(logs)
-    assert f"resuming {killed_dir} at step {killed_at}" in read_logs(logs)
-
-    full = ckpt.load(only_run_dir(tmp_path / "full") / "checkpoints" / "last.pt")
-    resumed = ckpt.load(killed_dir / "checkpoints" / "last.pt")
-    assert resumed["step"] == full["step"] == steps
-    for key, value in full["networks"]["model"].items():
-        assert torch.equal(value, resumed["networks"]["model"][key]), key
-    chains = [[rank["estimator"]["chains"] for rank in state["ranks"]] for state in (full, resumed)]
-    assert not torch.equal(chains[0][0], chains[0][1]), "the ranks' chains should differ"
-    assert all(torch.equal(a, b) for a, b in zip(*chains))
+# ---- a NaN ---------------------------------------------------------------------------------------
 
 
 def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
@@ -320,7 +279,7 @@ def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
     assert ckpt.load(only_run_dir(tmp_path / "runs") / "checkpoints" / "last.pt")["step"] == 2
 
 
-# ---- Ctrl-C under `eblvm run --nproc-per-node 2` ---------------------------------------------------
+# ---- interrupted and resumed: kill -9, and Ctrl-C under `eblvm run --nproc-per-node 2` -----------
 
 
 def start_launch(args: list, out: Path) -> subprocess.Popen:
@@ -360,34 +319,68 @@ def assert_same_run(a: dict, b: dict) -> None:
         assert torch.equal(rank_a["rng"]["torch"], rank_b["rng"]["torch"])
 
 
+STEPS = 300
+
+
 @pytest.fixture(scope="module")
-def interrupt_runs(tmp_path_factory):
-    """A BiSM recipe trained by two processes without interruption, for the Ctrl-C tests to end
-    level with (started once, in the background, while the first test interrupts its own run)."""
-    tmp = tmp_path_factory.mktemp("ctrl_c")
-    recipe = tomllib.loads(BISM)
+def reference_run(tmp_path_factory):
+    """PCD trained by two processes without interruption, for the kill and Ctrl-C tests to end
+    level with (started once, in the background, while the first of them interrupts its own run)."""
+    tmp = tmp_path_factory.mktemp("reference")
     recipe = write_recipe(
-        tmp / "bism.toml",
-        recipe,
-        {"steps": 300, "log_every": 50, "checkpoint_every": 300, "eval_every": 0},
+        tmp / "pcd.toml",
+        "grbm_pcd",
+        {"steps": STEPS, "log_every": 50, "checkpoint_every": 50, "eval_every": 0},
         data={"kind": "checkerboard", "n_train": 2000, "n_test": 200},
+        estimator={"kind": "pcd", "k": 1, "n_chains": 50},
+        eval=[{"kind": "exact-loglik"}],
     )
     full = start_launch([recipe, "--out", tmp / "full"], tmp / "full.log")
     return {"recipe": recipe, "tmp": tmp, "full": full}
 
 
-def finished_full(interrupt_runs) -> dict:
-    proc = interrupt_runs["full"]
-    assert proc.wait(timeout=TIMEOUT) == 0, (interrupt_runs["tmp"] / "full.log").read_text()
-    return networks(only_run_dir(interrupt_runs["tmp"] / "full"))
+def finished_reference(reference_run) -> dict:
+    proc = reference_run["full"]
+    assert proc.wait(timeout=TIMEOUT) == 0, (reference_run["tmp"] / "full.log").read_text()
+    return networks(only_run_dir(reference_run["tmp"] / "full"))
 
 
-def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(interrupt_runs, tmp_path):
+def test_kill_and_resume_under_two_processes_matches_the_uninterrupted_run(reference_run, tmp_path):
+    """PCD: every rank has its own chains and random stream; both are checkpointed by rank 0 and
+    restored rank by rank, so the resumed run ends bit-identical to the uninterrupted one (which
+    ``eblvm run --nproc-per-node 2`` trained: the ranks here are started as torchrun starts them)."""
+    recipe = reference_run["recipe"]
+    procs = launch([recipe, "--out", tmp_path / "killed"], tmp_path / "killed")
+    deadline = time.time() + TIMEOUT
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if list((tmp_path / "killed").glob("*/*/checkpoints/last.pt")):
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    killed_dir = only_run_dir(tmp_path / "killed")
+    killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
+    assert killed_at < STEPS, "the run finished before it could be killed; the test proves nothing"
+
+    logs = tmp_path / "resumed"
+    assert wait(launch(["--resume", killed_dir], logs), logs) == [0, 0], read_logs(logs)
+    assert f"resuming {killed_dir} at step {killed_at}" in read_logs(logs)
+
+    full, resumed = finished_reference(reference_run), networks(killed_dir)
+    assert resumed["step"] == full["step"] == STEPS
+    assert_same_run(resumed, full)
+    chains = [[rank["estimator"]["chains"] for rank in state["ranks"]] for state in (full, resumed)]
+    assert not torch.equal(chains[0][0], chains[0][1]), "the ranks' chains should differ"
+    assert all(torch.equal(a, b) for a, b in zip(*chains))
+
+
+def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(reference_run, tmp_path):
     """One SIGINT to the launcher's process group: both ranks finish their step, agree at the next
     logging step, write a checkpoint and stop; one line, exit 130, no traceback, no torch warning
     or banner. The resumed run ends where the uninterrupted one does, to the bit; run.json records
     the command as typed and every plugin with its version."""
-    proc = start_launch([interrupt_runs["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
+    proc = start_launch([reference_run["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
     run_dir = wait_for_step(tmp_path / "runs", 100, proc)
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130, (tmp_path / "out.log").read_text()
@@ -400,12 +393,12 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(inte
     assert not torch_log_lines(output), output
     at = ckpt.load(run_dir / "checkpoints" / "last.pt")["step"]
     # the row at step 100 is written before the ranks agree at that step, so a signal seen then stops at 100
-    assert 100 <= at < 300 and at % 50 == 0
+    assert 100 <= at < STEPS and at % 50 == 0
 
     session = json.loads((run_dir / "run.json").read_text())["sessions"][0]
     assert session["status"] == "interrupted" and session["to_step"] == at
     assert session["command"].endswith("--nproc-per-node 2") and session["processes"] == 2
-    assert session["plugins"]["bism"]["distribution"] == "eblvm" and session["plugins"]["bism"]["version"]
+    assert session["plugins"]["grbm"]["distribution"] == "eblvm" and session["plugins"]["grbm"]["version"]
     extra = session["plugins"]["tests.support.fixed_noise"]  # loaded by module, installed by no distribution
     assert extra["distribution"] is None and extra["file"].endswith("fixed_noise.py")
     assert not (run_dir / ".lock").exists()
@@ -414,15 +407,15 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(inte
     assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
     assert f"resuming {run_dir} at step {at}" in (tmp_path / "resumed.log").read_text()
     assert not torch_log_lines((tmp_path / "resumed.log").read_text())
-    assert_same_run(networks(run_dir), finished_full(interrupt_runs))
+    assert_same_run(networks(run_dir), finished_reference(reference_run))
 
 
-def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(interrupt_runs, tmp_path):
+def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(reference_run, tmp_path):
     """Two SIGINTs: the launcher stops both ranks at once (before the next logging step, so
     before any checkpoint) and names the command that resumes; that command, run as printed,
     starts again from step 0 (or the checkpoint, had one been written) and ends level with the
     uninterrupted run."""
-    proc = start_launch([interrupt_runs["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
+    proc = start_launch([reference_run["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
     run_dir = wait_for_step(tmp_path / "runs", 100, proc)
     ctrl_c(proc)
     time.sleep(0.05)
@@ -441,4 +434,4 @@ def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(interrupt_
 
     resumed = start_launch(advice.split()[2:-2], tmp_path / "resumed.log")
     assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
-    assert_same_run(networks(run_dir), finished_full(interrupt_runs))
+    assert_same_run(networks(run_dir), finished_reference(reference_run))
