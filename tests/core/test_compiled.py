@@ -177,7 +177,7 @@ def test_a_compiled_run_resumes_to_the_bit_and_records_how_it_stepped(tmp_path):
     """60 compiled steps straight and 30 + 30 with a resume between end at the same bits: every
     step of both is a call of the compiled graph, the random draws included. run.json says so."""
     common = ["run.seed=5", "run.compile=true", "run.log_every=10", "run.checkpoint_every=30", "~eval"]
-    common += ["estimator.inner_steps=1", "estimator.unroll_steps=1"]  # a small graph: its compile is the cost
+    common += CASES["bism-unrolled sgd, SSM"][1] + ["run.batch_size=16"]  # its graph: compiled once in a session
     recipe = RECIPES / "grbm_bissm.toml"
     straight, _ = session_run(recipe, [*common, "run.steps=60"], out=tmp_path / "a", echo=lambda _line: None)
     half, _ = session_run(recipe, [*common, "run.steps=30"], out=tmp_path / "b", echo=lambda _line: None)
