@@ -3,8 +3,9 @@ the ``eblvm`` process itself (torchrun's environment without its agent).
 
 The parent binds the rendezvous store's socket (a free port, so two launches never race for a
 port) and hands it to rank 0, which serves the store on it: the parent itself never imports torch.
-It starts ``python -m eblvm run ...`` once per rank in a process group of their own,
-and forwards SIGINT and SIGTERM to them: a terminal's Ctrl-C reaches each rank exactly once,
+It starts one process in a process group of its own (``eblvm_core.rank_server``), which imports
+torch once and forks the N ranks, each running ``python -m eblvm run ...``. The parent forwards
+SIGINT and SIGTERM to it, which passes them on: a terminal's Ctrl-C reaches each rank exactly once,
 through the parent, and the ranks agree to write a checkpoint and stop (exit 130). A second
 Ctrl-C stops every rank at once and says how to resume. The parent prints nothing else and
 exits with the ranks' exit code. torchrun itself (several machines) still works: the ranks then
@@ -13,6 +14,7 @@ read its environment the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -23,11 +25,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from eblvm_core.rundir import COMMAND, LOCK, RUN_DIR_FILE, STORE_FD, Provenance
 
 GRACE_SECONDS = 10.0  # once one rank has failed, how long the others may take to stop on their own
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "ROLE_RANK")  # the environment's rank, on one machine
 
 
 def worker_environment(
@@ -38,11 +41,9 @@ def worker_environment(
     ``store_fd`` (``STORE_FD``), the CPU threads per process unless OMP_NUM_THREADS is set, and
     the command line as typed."""
     env = dict(os.environ)
+    env.update(dict.fromkeys(RANK_VARIABLES, str(rank)))
     env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
         GROUP_RANK="0",
-        ROLE_RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
         ROLE_WORLD_SIZE=str(world),
@@ -84,32 +85,27 @@ def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> i
     with tempfile.TemporaryDirectory(prefix="eblvm-launch-") as tmp:
         run_dir_file = str(Path(tmp) / "run_dir")
         threads = threads_per_process(world)
-        with listener:  # rank 0 holds the socket from here on; ranks that connect first wait in its backlog
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, "-m", "eblvm", "run", *run_args],
-                    env=worker_environment(rank, world, port, threads, run_dir_file, fd if rank == 0 else None),
-                    pass_fds=(fd,) if rank == 0 else (),
-                    process_group=0,
-                )
-                for rank in range(world)
-            ]
+        with listener:  # the rank server, then rank 0, holds the socket; ranks that connect first wait in its backlog
+            server = subprocess.Popen(
+                [sys.executable, "-m", "eblvm_core.rank_server", *run_args],
+                env=worker_environment(0, world, port, threads, run_dir_file, fd),
+                pass_fds=(fd,),
+                process_group=0,
+            )
         signals: list[int] = []
 
         def forward(signum: int, _frame: Any) -> None:
             signals.append(signum)
             if signum == signal.SIGINT and signals.count(signal.SIGINT) > 1:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(server.pid, signal.SIGKILL)  # the server and every rank it forked
                 return
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signum)
+            if server.poll() is None:
+                server.send_signal(signum)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = wait_all(procs)
+            code = wait_all([server])
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
@@ -130,7 +126,15 @@ def run_processes(world: int, run_args: Sequence[str], resume: Path | None) -> i
         return code
 
 
-def wait_all(procs: list[subprocess.Popen]) -> int:
+class Process(Protocol):
+    """What ``wait_all`` needs of a process: ``subprocess.Popen``'s poll and kill."""
+
+    def poll(self) -> int | None: ...
+
+    def kill(self) -> None: ...
+
+
+def wait_all(procs: Sequence[Process]) -> int:
     """Wait for every process; returns the exit code of the first that failed (a process killed
     by signal S counts as 128 + S), or 0. When one fails while others still run (a rank that died
     without reaching a collective), the others get GRACE_SECONDS to stop on their own and are then

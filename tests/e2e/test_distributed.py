@@ -9,6 +9,7 @@ the test plugin ``tests.support.fixed_noise`` loaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,8 +201,8 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     """4 steps in float64 with the random draws a function of each data point (tests/support/fixed_noise.py):
     the parameters after every step equal those of one process to 1e-14 (the gap is 1e-17 or
     less), the gradient norms of every role to 1e-12 relative; rank 0 alone wrote the run
-    directory; each rank kept its own random stream; the launching process never imported torch
-    (rank 0 serves the rendezvous store)."""
+    directory; each rank kept its own random stream; one process of the launch imported torch:
+    not the launching one (rank 0 serves the rendezvous store), nor the ranks, forked from it."""
     steps = 4
     recipe = write_recipe(
         tmp_path / "recipe.toml",
@@ -213,9 +214,9 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
         **RECIPES[name],
     )
 
-    command = [sys.executable, "-X", "importtime", "-m", "eblvm", "run", recipe, "--nproc-per-node", "2"]
-    command += ["--out", tmp_path / "two"]  # the launching process lists its imports (the ranks do not)
-    two = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    command = [sys.executable, "-m", "eblvm", "run", recipe, "--nproc-per-node", "2", "--out", tmp_path / "two"]
+    every_import = environment(PYTHONPROFILEIMPORTTIME="1")  # each process lists what it imports
+    two = subprocess.Popen(command, cwd=ROOT, env=every_import, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     from tests.support import session_run as run  # the one process: this one, while the two train
 
     run(recipe, out=tmp_path / "one", echo=lambda _line: None)
@@ -225,7 +226,8 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
     assert two.returncode == 0, output
     assert output.count("done: ") == 1 and "2 processes" in output
     assert not torch_log_lines(output), output  # e.g. a rank asking the store after its host exited
-    assert "eblvm_core.processes" in imported and "torch" not in imported, "the launching process imported torch"
+    assert "eblvm_core.processes" in imported and "eblvm_core.worker_imports" in imported
+    assert imported.count("torch") == 1, "torch was imported by the launching process or by every rank"
 
     one_dir, two_dir = only_run_dir(tmp_path / "one"), only_run_dir(tmp_path / "two")
     expected, got = parameters_by_step(one_dir), parameters_by_step(two_dir)
@@ -284,7 +286,8 @@ def test_a_nan_on_one_rank_stops_every_rank(tmp_path):
 
 def start_launch(args: list, out: Path) -> subprocess.Popen:
     """`eblvm run --nproc-per-node 2 ARGS` in a session of its own, as a terminal runs a foreground
-    command: a Ctrl-C is a SIGINT to that process group (the parent alone: its ranks have their own)."""
+    command: a Ctrl-C is a SIGINT to that process group (the parent alone: the process that forks
+    its ranks has a group of its own)."""
     command = [sys.executable, "-m", "eblvm", "run", *map(str, args), "--nproc-per-node", "2"]
     log = open(out, "w")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=log, stderr=log, start_new_session=True)
@@ -303,6 +306,47 @@ def wait_for_step(run_root: Path, step: int, proc: subprocess.Popen) -> Path:
                 return path.parent
         time.sleep(0.05)
     raise AssertionError(f"no training row at step {step}: exit {proc.poll()}")
+
+
+def processes() -> list[tuple[Path, str, int, int]]:
+    """(/proc folder, state, parent pid, process group) of every process (Linux)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid, group = stat.read_text().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue  # a process that ended while we looked
+        found.append((stat.parent, state, int(ppid), int(group)))
+    return found
+
+
+def loading_torch(parent: int) -> bool:
+    """Whether a child of process ``parent`` has mapped torch's library (it is importing torch)."""
+    for folder, _, ppid, _ in processes():
+        with contextlib.suppress(OSError):
+            if ppid == parent and "libtorch_cpu" in (folder / "maps").read_text():
+                return True
+    return False
+
+
+def live_in_group(group: int) -> list[str]:
+    """The pids of process group ``group`` still running (not ended, nor ended and unreaped)."""
+    return [folder.name for folder, state, _, in_group in processes() if in_group == group and state != "Z"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads which libraries a process mapped in /proc")
+def test_a_ctrl_c_while_torch_loads_stops_the_launch_with_one_line(tmp_path):
+    """Ctrl-C while the process that forks the ranks is still importing torch: exit 130 with
+    ``interrupted: Ctrl-C`` alone (no traceback), and no run directory."""
+    proc = start_launch([ROOT / "recipes" / "grbm_bissm.toml", "--out", tmp_path / "runs"], tmp_path / "out.log")
+    deadline = time.time() + TIMEOUT
+    while not loading_torch(proc.pid):
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
+        time.sleep(0.01)
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130
+    assert (tmp_path / "out.log").read_text() == "interrupted: Ctrl-C\n"
+    assert not (tmp_path / "runs").exists()
 
 
 def networks(run_dir: Path) -> dict:
@@ -411,20 +455,29 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(refe
 
 
 def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(reference_run, tmp_path):
-    """Two SIGINTs: the launcher stops both ranks at once (before the next logging step, so
-    before any checkpoint) and names the command that resumes; that command, run as printed,
-    starts again from step 0 (or the checkpoint, had one been written) and ends level with the
-    uninterrupted run."""
+    """Two SIGINTs between two checkpoints: the launcher kills both ranks at once (the first alone
+    stops them at the next logging or checkpoint step, when they agree to) and names the command
+    that resumes, last: no rank outlives it to print a line of its own. That command, run as
+    printed, starts again from the last checkpoint and ends level with the uninterrupted run."""
     proc = start_launch([reference_run["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
-    run_dir = wait_for_step(tmp_path / "runs", 100, proc)
+    deadline = time.time() + TIMEOUT
+    while not (last := list((tmp_path / "runs").glob("*/*/checkpoints/last.pt"))):
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
+        time.sleep(0.01)
+    run_dir = last[0].parent.parent
+    (server,) = (int(folder.name) for folder, _, ppid, _ in processes() if ppid == proc.pid)  # leads the ranks' group
     ctrl_c(proc)
     time.sleep(0.05)
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130
+    while live_in_group(server):  # none, unless ranks outlived the launcher: they would then stop on their own
+        assert time.time() < deadline
+        time.sleep(0.05)
     output = (tmp_path / "out.log").read_text()
     assert "Traceback" not in output, output
-    # The launcher's line comes last; a rank that finished its own stop before the second Ctrl-C
-    # reached the launcher (a loaded machine) has printed its line, with the same advice, before it.
+    assert output.splitlines()[-1].startswith("interrupted: stopped at once by a second Ctrl-C"), output
+    # A rank that finished its own stop before the second Ctrl-C reached the launcher (a loaded
+    # machine) has printed its line, with the same advice, before the launcher's.
     errors = [line for line in output.splitlines() if line.startswith("interrupted:")]
     assert errors and all("resume with: " in line for line in errors), output
     line = errors[-1]
