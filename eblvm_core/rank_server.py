@@ -12,6 +12,7 @@ sent to the server reach each rank once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import runpy
 import signal
@@ -52,9 +53,18 @@ def fork_ranks(ranks: list[ForkedRank]) -> int | None:
     a forked rank (its environment, signals and store socket set up), None in the server, which
     from then on passes SIGINT and SIGTERM on to every rank. A Ctrl-C before the ranks exist
     stops the server as it stops ``eblvm run`` (exit 130); SIGTERM then ends it (143)."""
-    try:
+    interrupted: list[int] = []
+
+    def interrupt(signum: int, _frame: types.FrameType | None) -> None:
+        interrupted.append(signum)  # kept even where an import's own bare ``except`` swallows the exception
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    with contextlib.suppress(KeyboardInterrupt):
         import eblvm_core.worker_imports  # noqa: F401 - torch and a run's modules, loaded once for every rank
-    except KeyboardInterrupt:
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until every rank exists: then each gets every signal
+    if interrupted:
         print("interrupted: Ctrl-C", file=sys.stderr)
         os._exit(130)
 
@@ -63,13 +73,13 @@ def fork_ranks(ranks: list[ForkedRank]) -> int | None:
             rank.send_signal(signum)
 
     store_fd = int(os.environ.pop(STORE_FD))
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # until every rank exists: then each gets every signal
-    defaults = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
     for rank in range(int(os.environ["WORLD_SIZE"])):
         pid = os.fork()
         if pid == 0:
-            for signum, default in defaults.items():
-                signal.signal(signum, default)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
             os.environ.update(dict.fromkeys(RANK_VARIABLES, str(rank)))
             if rank == 0:

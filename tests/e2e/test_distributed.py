@@ -338,7 +338,8 @@ def live_in_group(group: int) -> list[str]:
 def test_a_ctrl_c_while_torch_loads_stops_the_launch_with_one_line(tmp_path):
     """Ctrl-C while the process that forks the ranks is still importing torch: exit 130 with
     ``interrupted: Ctrl-C`` alone (no traceback), and no run directory."""
-    proc = start_launch([ROOT / "recipes" / "grbm_bissm.toml", "--out", tmp_path / "runs"], tmp_path / "out.log")
+    args = [ROOT / "recipes" / "grbm_bissm.toml", "--out", tmp_path / "runs", "-o", "run.steps=50"]  # short if missed
+    proc = start_launch(args, tmp_path / "out.log")
     deadline = time.time() + TIMEOUT
     while not loading_torch(proc.pid):
         assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
