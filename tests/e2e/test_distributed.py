@@ -308,6 +308,9 @@ def wait_for_step(run_root: Path, step: int, proc: subprocess.Popen) -> Path:
     raise AssertionError(f"no training row at step {step}: exit {proc.poll()}")
 
 
+reads_proc = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the processes' state in /proc")
+
+
 def processes() -> list[tuple[Path, str, int, int]]:
     """(/proc folder, state, parent pid, process group) of every process (Linux)."""
     found = []
@@ -334,7 +337,7 @@ def live_in_group(group: int) -> list[str]:
     return [folder.name for folder, state, _, in_group in processes() if in_group == group and state != "Z"]
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads which libraries a process mapped in /proc")
+@reads_proc
 def test_a_ctrl_c_while_torch_loads_stops_the_launch_with_one_line(tmp_path):
     """Ctrl-C while the process that forks the ranks is still importing torch: exit 130 with
     ``interrupted: Ctrl-C`` alone (no traceback), and no run directory."""
@@ -455,6 +458,7 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(refe
     assert_same_run(networks(run_dir), finished_reference(reference_run))
 
 
+@reads_proc
 def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(reference_run, tmp_path):
     """Two SIGINTs between two checkpoints: the launcher kills both ranks at once (the first alone
     stops them at the next logging or checkpoint step, when they agree to) and names the command
