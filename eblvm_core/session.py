@@ -82,7 +82,8 @@ def run(
     recipe, resume = _requested(request, say)
     check_loggers(recipe)
     plan = plan_for(recipe, launch=launch)
-    with stop_on_signals(stop_signals) as signals, distributed.process_group(plan.device), _Locks() as locks:
+    signals_of = stop_on_signals(stop_signals, several=launch.world > 1)
+    with signals_of as signals, distributed.process_group(plan.device), _Locks() as locks:
         prepared = _prepare(recipe, plan, request.out, resume, locks, say)
         if isinstance(prepared, str):  # nothing left to do
             assert resume is not None, "only a resumed run can have nothing left to do"
@@ -184,6 +185,8 @@ def _fit(
             records.echo(step_line)
         signals.watch(trainer)
         try:
+            if plan.world > 1:
+                trainer.stop_if_asked()  # a signal one rank had during the set-up stops every rank here
             results = trainer.fit()
         except KeyboardInterrupt:
             since = _kept(state) or "no checkpoint had been written, so it starts again from step 0"
@@ -327,21 +330,31 @@ class Signals:
     session shuts down (process group, logs, provenance), so a late Ctrl-C neither loses a record
     nor prints a traceback. Before training starts, Ctrl-C interrupts as usual and any other
     signal goes to the handler that was there before the session (``previous``), else does what
-    it does by default (SIGTERM ends the process)."""
+    it does by default (SIGTERM ends the process). Under ``several`` processes the first signal
+    before training is kept (``pending``) instead: a rank that left its set-up alone would leave
+    the others waiting at a collective, so ``watch`` hands it to the trainer, and the ranks agree
+    on it before the first step (``Trainer.stop_if_asked``); a second Ctrl-C still aborts at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, several: bool = False) -> None:
+        self.several = several
+        self.pending: str | None = None
         self.trainer: Trainer | None = None
         self.training = False
         self.previous: dict[int, Any] = {}
 
     def watch(self, trainer: Trainer) -> None:
         self.trainer, self.training = trainer, True
+        if self.pending is not None:
+            trainer.stop_signal = self.pending
 
     def done(self) -> None:
         self.training = False
 
     def __call__(self, signum: int, _frame: Any) -> None:
         if self.trainer is None:  # not training yet: Ctrl-C interrupts the set-up as usual
+            if self.several and self.pending is None:
+                self.pending = signal.Signals(signum).name
+                return
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             before = self.previous.get(signum)
@@ -359,10 +372,11 @@ class Signals:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS) -> Iterator[Signals]:
-    """The session's policy for ``signals`` (``Signals``) within the block, the previous handlers
-    after it. Outside the main thread signals are left alone (the policy then watches nothing)."""
-    policy = Signals()
+def stop_on_signals(signals: Sequence[int] = STOP_SIGNALS, several: bool = False) -> Iterator[Signals]:
+    """The session's policy for ``signals`` (``Signals``, of ``several`` processes or one) within
+    the block, the previous handlers after it. Outside the main thread signals are left alone (the
+    policy then watches nothing)."""
+    policy = Signals(several)
     if threading.current_thread() is not threading.main_thread():
         yield policy
         return

@@ -186,6 +186,11 @@ class Trainer:
         self.stopped = stop
         self.progress.say(stop.why)
 
+    def stop_if_asked(self) -> None:
+        """Before the first step: with a stop asked (on any rank, agreed on with several processes),
+        write a checkpoint and stop as ``fit`` would after a step."""
+        self._stop_if_asked(sync=True, saved=False)
+
     def _stop_if_asked(self, sync: bool, saved: bool) -> None:
         """After a step: on SIGINT/SIGTERM write a checkpoint (unless this step did) and stop.
         With several processes the ranks agree at logging and checkpoint steps (``sync``)."""

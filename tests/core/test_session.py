@@ -242,6 +242,22 @@ def test_while_training_the_first_signal_asks_for_a_stop_and_a_second_ctrl_c_abo
         assert answer(policy, signal.SIGINT) == "abort"
 
 
+def test_before_training_under_several_processes_the_first_signal_waits_for_the_trainer():
+    """A rank must not leave its set-up alone (the others would wait at a collective): the first
+    signal is kept and handed to the trainer, on which the ranks agree; a second Ctrl-C aborts."""
+    from eblvm_core.session import Signals
+
+    for first in (signal.SIGINT, signal.SIGTERM):
+        policy, trainer = Signals(several=True), SimpleNamespace(stop_signal=None)
+        assert answer(policy, first) is None and policy.pending == signal.Signals(first).name
+        assert answer(policy, signal.SIGINT) == "abort"
+        policy.watch(trainer)
+        assert trainer.stop_signal == signal.Signals(first).name
+    policy, trainer = Signals(several=True), SimpleNamespace(stop_signal=None)
+    policy.watch(trainer)  # nothing was asked: nothing to hand on
+    assert trainer.stop_signal is None
+
+
 def test_once_training_has_ended_signals_are_ignored_while_the_session_shuts_down():
     from eblvm_core.session import Signals
 

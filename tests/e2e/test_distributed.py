@@ -353,6 +353,32 @@ def test_a_ctrl_c_while_torch_loads_stops_the_launch_with_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_ctrl_c_during_the_set_up_stops_every_rank_before_the_first_step(tmp_path):
+    """Ctrl-C while rank 0 still builds and rank 1 waits for it at a collective: neither rank
+    leaves its set-up alone (the other's collective would fail with a traceback); they agree to
+    stop before the first step, rank 0 writes a checkpoint at step 0 and says how to resume, and
+    the resumed run finishes."""
+    marker = tmp_path / "building"
+    recipe = tomllib.loads(SMALL_RECIPE)
+    recipe["estimator"] = {"kind": "exact-score-slow-build-on-rank0", "marker": str(marker)}
+    recipe = write_recipe(tmp_path / "slow.toml", recipe, {})
+    proc = start_launch([recipe, "--out", tmp_path / "runs"], tmp_path / "out.log")
+    deadline = time.time() + TIMEOUT
+    while not marker.exists():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
+        time.sleep(0.01)
+    ctrl_c(proc)
+    assert proc.wait(timeout=TIMEOUT) == 130
+    output = (tmp_path / "out.log").read_text()
+    assert "Traceback" not in output and not torch_log_lines(output), output
+    assert output.splitlines()[-1].startswith("interrupted: SIGINT at step 0/30: checkpoint"), output
+    run_dir = only_run_dir(tmp_path / "runs")
+    assert networks(run_dir)["step"] == 0
+    resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
+    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
+    assert networks(run_dir)["step"] == 30
+
+
 def networks(run_dir: Path) -> dict:
     state = ckpt.load(run_dir / "checkpoints" / "last.pt")
     return {"step": state["step"], "networks": state["networks"], "ranks": state["ranks"]}

@@ -1,15 +1,18 @@
 """A test plugin for the distributed tests: the bundled Bernoulli posterior and SSM objective with
 their random draws made a function of each data point (and of the call count) instead of a
 process's random stream, so that W processes holding shards of a batch draw exactly what one
-process holding the whole batch draws; an evaluator that reports every parameter; and an
-exact-score estimator whose loss turns NaN on rank 1 at one step.
+process holding the whole batch draws; an evaluator that reports every parameter; an
+exact-score estimator whose loss turns NaN on rank 1 at one step; and one that rank 0 builds
+slowly, saying so in a file, so that a signal can reach the ranks while they set up.
 
 Loaded with ``EBLVM_PLUGIN_MODULES=tests.support.fixed_noise`` (the repository root on the path).
 """
 
 from __future__ import annotations
 
+import time
 import zlib
+from pathlib import Path
 
 import attrs
 import torch
@@ -129,6 +132,21 @@ def build_nan_on_rank1(cfg: NaNConfig, parts: Parts) -> NaNOnRank1:
     return NaNOnRank1(build_exact_score(NoConfig(), parts), cfg.at_step)
 
 
+@attrs.frozen
+class SlowBuildConfig:
+    marker: str = option(help="the file rank 0 writes as it starts building")
+    seconds: float = option(1.0, "how long rank 0 then builds", positive)
+
+
+def build_slow_on_rank0(cfg: SlowBuildConfig, parts: Parts) -> ExactScore:
+    """Exact score; rank 0 writes ``marker`` and waits ``seconds`` before building it (rank 1 is by
+    then waiting for rank 0 at the set-up's next collective)."""
+    if dist.get_rank() == 0:
+        Path(cfg.marker).write_text("building")
+        time.sleep(cfg.seconds)
+    return build_exact_score(NoConfig(), parts)
+
+
 @hookimpl
 def register_posteriors(register):
     register("bernoulli-point-noise", build_point_noise_bernoulli, BernoulliConfig)
@@ -142,6 +160,7 @@ def register_objectives(register):
 @hookimpl
 def register_estimators(register):
     register("exact-score-nan-on-rank1", build_nan_on_rank1, NaNConfig)
+    register("exact-score-slow-build-on-rank0", build_slow_on_rank0, SlowBuildConfig)
 
 
 @hookimpl
