@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import tomli_w
@@ -32,6 +34,7 @@ from tests.support import ROOT, SMALL_RECIPE, only_run_dir
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
+T = TypeVar("T")
 TIMEOUT = 180  # seconds for any one launch; a few on a free machine
 
 
@@ -343,10 +346,7 @@ def test_a_ctrl_c_while_torch_loads_stops_the_launch_with_one_line(tmp_path):
     ``interrupted: Ctrl-C`` alone (no traceback), and no run directory."""
     args = [ROOT / "recipes" / "grbm_bissm.toml", "--out", tmp_path / "runs", "-o", "run.steps=50"]  # short if missed
     proc = start_launch(args, tmp_path / "out.log")
-    deadline = time.time() + TIMEOUT
-    while not loading_torch(proc.pid):
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
-        time.sleep(0.01)
+    once_running(lambda: loading_torch(proc.pid), proc, tmp_path / "out.log")
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130
     assert (tmp_path / "out.log").read_text() == "interrupted: Ctrl-C\n"
@@ -363,10 +363,7 @@ def test_a_ctrl_c_during_the_set_up_stops_every_rank_before_the_first_step(tmp_p
     recipe["estimator"] = {"kind": "exact-score-slow-build-on-rank0", "marker": str(marker)}
     recipe = write_recipe(tmp_path / "slow.toml", recipe, {})
     proc = start_launch([recipe, "--out", tmp_path / "runs"], tmp_path / "out.log")
-    deadline = time.time() + TIMEOUT
-    while not marker.exists():
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
-        time.sleep(0.01)
+    once_running(marker.exists, proc, tmp_path / "out.log")
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130
     output = (tmp_path / "out.log").read_text()
@@ -377,6 +374,16 @@ def test_a_ctrl_c_during_the_set_up_stops_every_rank_before_the_first_step(tmp_p
     resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
     assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
     assert networks(run_dir)["step"] == 30
+
+
+def once_running(found: Callable[[], T], proc: subprocess.Popen, log: Path) -> T:
+    """What ``found()`` gives once it is something, asked every 10 ms while ``proc`` runs (for
+    TIMEOUT seconds at most); ``log`` is shown when it ends or times out first."""
+    deadline = time.time() + TIMEOUT
+    while not (result := found()):
+        assert proc.poll() is None and time.time() < deadline, log.read_text()
+        time.sleep(0.01)
+    return result
 
 
 def networks(run_dir: Path) -> dict:
@@ -491,16 +498,14 @@ def test_a_second_ctrl_c_stops_at_once_and_its_advice_resumes_the_run(reference_
     that resumes, last: no rank outlives it to print a line of its own. That command, run as
     printed, starts again from the last checkpoint and ends level with the uninterrupted run."""
     proc = start_launch([reference_run["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
-    deadline = time.time() + TIMEOUT
-    while not (last := list((tmp_path / "runs").glob("*/*/checkpoints/last.pt"))):
-        assert proc.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()
-        time.sleep(0.01)
+    last = once_running(lambda: list((tmp_path / "runs").glob("*/*/checkpoints/last.pt")), proc, tmp_path / "out.log")
     run_dir = last[0].parent.parent
     (server,) = (int(folder.name) for folder, _, ppid, _ in processes() if ppid == proc.pid)  # leads the ranks' group
     ctrl_c(proc)
     time.sleep(0.05)
     ctrl_c(proc)
     assert proc.wait(timeout=TIMEOUT) == 130
+    deadline = time.time() + TIMEOUT
     while live_in_group(server):  # none, unless ranks outlived the launcher: they would then stop on their own
         assert time.time() < deadline
         time.sleep(0.05)
