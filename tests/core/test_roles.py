@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +16,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import plugins
 from eblvm_core.errors import TrainingDiverged
 from tests.support import ROOT, metrics_rows
+from tests.support.forked import Forked
 
 RECIPE = """
 log = []
@@ -136,13 +135,7 @@ def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, t
 
     out = tmp_path / "killed"
     env = {**os.environ, "EBLVM_PLUGIN_MODULES": "tests.support.three_roles"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = Forked(["run", recipe, "--out", out], cwd=ROOT, env=env)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not list(out.glob("*/*/checkpoints/last.pt")):
         time.sleep(0.01)
@@ -150,9 +143,7 @@ def test_kill_minus_9_and_resume_is_bit_identical_for_every_role(write_recipe, t
     _, err = proc.communicate()
     (killed_dir,) = list(out.glob("*/*"))
     killed_at = ckpt.load(killed_dir / "checkpoints" / "last.pt")["step"]
-    assert killed_at < 600, (
-        f"the run finished before it could be killed; the test proves nothing ({err.decode()[-300:]})"
-    )
+    assert killed_at < 600, f"the run finished before it could be killed; the test proves nothing ({err[-300:]})"
 
     run(None, resume=killed_dir, echo=lambda _line: None)
     a, b = ckpt.load(full_dir / "checkpoints" / "last.pt"), ckpt.load(killed_dir / "checkpoints" / "last.pt")

@@ -31,6 +31,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
 from tests.support import ROOT, SMALL_RECIPE, only_run_dir
+from tests.support.forked import Forked
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
@@ -74,8 +75,8 @@ def free_port() -> int:
             return port
 
 
-def launch(args: list, logs: Path) -> list[subprocess.Popen]:
-    """Two processes of `python -m eblvm run ARGS` in torchrun's environment; output in ``logs``."""
+def launch(args: list, logs: Path) -> list[Forked]:
+    """Two processes of `python -m eblvm run ARGS` in torchrun's environment, forked (``Forked``); output in ``logs``."""
     port, procs = str(free_port()), []
     for rank in range(2):
         env = environment(
@@ -86,16 +87,11 @@ def launch(args: list, logs: Path) -> list[subprocess.Popen]:
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
         )
-        out = open(logs.with_name(f"{logs.name}.rank{rank}"), "w")  # noqa: SIM115 - closed with the process
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "eblvm", "run", *map(str, args)], cwd=ROOT, env=env, stdout=out, stderr=out
-            )
-        )
+        procs.append(Forked(["run", *args], cwd=ROOT, env=env, log=logs.with_name(f"{logs.name}.rank{rank}")))
     return procs
 
 
-def wait(procs: list[subprocess.Popen], logs: Path) -> list[int]:
+def wait(procs: list[Forked], logs: Path) -> list[int]:
     """Exit codes of ``procs``; kills them all if one is still running after TIMEOUT seconds."""
     deadline = time.time() + TIMEOUT
     try:

@@ -29,6 +29,7 @@ from tests.support import (
     only_run_dir,
     snapshot,
 )
+from tests.support.forked import Forked
 
 QUIET = lambda _line: None  # noqa: E731
 
@@ -198,16 +199,11 @@ def test_a_corrupt_checkpoint_is_one_line_for_resume_eval_and_sample(cli, run_co
 # ---- Ctrl-C and SIGTERM --------------------------------------------------------------------------
 
 
-def start(recipe: Path, out: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start(recipe: Path, out: Path) -> Forked:
+    return Forked(["run", recipe, "--out", out])
 
 
-def wait_for_training(out: Path, proc: subprocess.Popen, step: int = 20) -> None:
+def wait_for_training(out: Path, proc: Forked, step: int = 20) -> None:
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         rows = list(out.glob("*/*/metrics.jsonl"))

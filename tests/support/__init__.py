@@ -5,8 +5,6 @@ one-line CLI error. Fixtures are in tests/conftest.py; test plugins beside this 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -91,13 +89,11 @@ def grbm_away_from_init(
 
 
 def kill_run_when(recipe: Path, out: Path, ready: Callable[[Path], bool], timeout: float = 120.0) -> None:
-    """Start ``eblvm run RECIPE --out OUT`` in a process and kill it (SIGKILL) as soon as a
+    """Start ``eblvm run RECIPE --out OUT`` in a process (``forked.Forked``) and kill it (SIGKILL) as soon as a
     ``last.pt`` checkpoint exists for which ``ready(path)`` holds, or when it ends or times out."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm_core.cli", "run", str(recipe), "--out", str(out)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    from tests.support.forked import Forked
+
+    proc = Forked(["run", recipe, "--out", out])
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         found = list(out.glob("*/*/checkpoints/last.pt"))

@@ -20,6 +20,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from tests.support import SMALL_RECIPE, one_line_error, session_run
+from tests.support.forked import STDOUT, Forked
 
 NO_SUBMITIT = "eblvm's 'slurm' extra (submitit) is not installed: pip install -e '.[slurm]'"
 LONG = SMALL_RECIPE.replace("steps = 30", "steps = 400").replace("checkpoint_every = 10", "checkpoint_every = 50")
@@ -128,9 +129,7 @@ def test_a_job_told_to_stop_checkpoints_is_requeued_and_ends_as_an_uninterrupted
     full, _ = session_run(recipe, device="cpu", out=tmp_path / "full", echo=quiet)
     out = tmp_path / "job"
     args = ["run", recipe, "--launcher", "submitit-local", "--wait", "--device", "cpu", "--out", out]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = Forked(args, stderr=STDOUT)
     checkpoint = wait_for(lambda: next(out.glob("small/*/checkpoints/last.pt"), None))
     run_dir = checkpoint.parent.parent
     pid = int((run_dir / ".lock").read_text().split()[1])  # the job's training process
@@ -164,12 +163,7 @@ def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run
     (full,) = (tmp_path / "runs" / "small").iterdir()
     out = tmp_path / "job"
     args = ["run", recipe, "--launcher", "submitit-local", "--nproc-per-node", "2", "--wait", "--device", "cpu"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eblvm", *map(str, args), "--out", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc = Forked([*args, "--out", out], stderr=STDOUT)
     checkpoint = wait_for(lambda: next(out.glob("small/*/checkpoints/last.pt"), None))
     run_dir = checkpoint.parent.parent
     controller = int(sessions(run_dir)[0]["launcher"]["job_id"])  # submitit's local job: it signals every task

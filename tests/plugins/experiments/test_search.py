@@ -18,6 +18,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from tests.support import RECIPES, ROOT, SMALL_RECIPE, one_line_error, session_run
+from tests.support.forked import STDOUT, Forked
 
 NO_OPTUNA = "eblvm's 'search' extra (optuna) is not installed: pip install -e '.[search]'"
 METRIC = "eval/exact-loglik/test_loglik"
@@ -78,15 +79,8 @@ def trial_runs(out: Path) -> dict[str, list[Path]]:
     return {d.name: sorted(d.iterdir()) for d in sorted((out / "runs").iterdir())}
 
 
-def eblvm(args: list, cwd: Path, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "eblvm", *map(str, args)],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kw,
-    )
+def eblvm(args: list, cwd: Path) -> Forked:
+    return Forked(args, cwd=cwd, stderr=STDOUT)
 
 
 # ---- the engine's hook ----------------------------------------------------------------------

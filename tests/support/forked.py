@@ -1,0 +1,105 @@
+"""``python -m eblvm ARGS`` as a process forked from a server that loaded torch and a run's modules
+once: multiprocessing's fork server preloading ``eblvm_core.worker_imports``, the server ``eblvm
+compare``'s and ``eblvm search``'s worker pools share in this test process. A fresh interpreter
+spends about 5 CPU-seconds importing torch and ``torch._dynamo`` before the command begins.
+
+For the tests whose subject is what a command does once it runs (a signal, kill -9 and resume, two
+commands at once), not how a process starts: import hygiene, start-up time and a command's output
+before torch loads are tested with fresh interpreters (``subprocess``). The child gets its own
+arguments, environment and working folder, SIGINT and SIGTERM as a fresh interpreter has them, and
+its stdout and stderr in files (the same one where asked). ``Forked`` is polled, signalled, waited
+for and read as ``subprocess.Popen`` with ``text=True`` is.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+STDOUT = subprocess.STDOUT  # stderr=STDOUT: both streams in one file, as Popen merges them
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["eblvm_core.worker_imports"])  # as eblvm_core.startup.worker_pool asks
+    return context
+
+
+def _run_eblvm(args: list[str], cwd: str, environment: dict[str, str], stdout: str, stderr: str) -> None:
+    """In the forked child: ``python -m eblvm ARGS`` with this working folder, environment and output files."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environment)
+    if environment.get("PYTHONFAULTHANDLER"):  # read as an interpreter starts
+        faulthandler.enable()
+    sys.argv = [sys.argv[0], *args]
+    runpy.run_module("eblvm", run_name="__main__", alter_sys=True)  # exits with the command's code
+
+
+class Forked:
+    """``python -m eblvm ARGS`` forked from the fork server (see the module's note)."""
+
+    def __init__(
+        self,
+        args: Sequence[object],
+        *,
+        cwd: Path | str | None = None,
+        env: dict[str, str] | None = None,
+        stderr: int | None = None,
+        log: Path | None = None,
+    ) -> None:
+        """``stderr=STDOUT``: both streams in one file; ``log``: that file (both streams), else files
+        in a temporary folder removed with this object."""
+        self._folder = tempfile.TemporaryDirectory(prefix="forked-")
+        folder = Path(self._folder.name)
+        self._out = log or folder / "stdout"
+        self._err = self._out if stderr == STDOUT or log else folder / "stderr"
+        for path in {self._out, self._err}:
+            path.write_bytes(b"")
+        environment = dict(os.environ if env is None else env)
+        self._process = _context().Process(
+            target=_run_eblvm,
+            args=([str(a) for a in args], str(cwd or os.getcwd()), environment, str(self._out), str(self._err)),
+        )
+        self._process.start()
+        self.pid: int = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (-S when killed by signal S), or None while it runs."""
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"forked eblvm {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
+        """(stdout, stderr) once the process has ended; stderr None where it went to stdout."""
+        self.wait(timeout)
+        return self._out.read_text(), None if self._err == self._out else self._err.read_text()
