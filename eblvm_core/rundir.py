@@ -12,6 +12,7 @@ first session and of every resume.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import json
 import math
@@ -24,10 +25,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eblvm_core.errors import ConfigError, EblvmError, FileSystemError
 from eblvm_core.recipe import Recipe
+
+if TYPE_CHECKING:
+    from eblvm_core.plugins import Loaded, PluginInfo
 
 LOCK = ".lock"
 PROVENANCE = "run.json"
@@ -230,20 +234,35 @@ def git_commit() -> dict[str, Any] | None:
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
 
 
+# The plugin set plugin_versions last described and what it found: reading the installed
+# distributions' metadata takes some 45 ms, once per plugin set (a pool worker trains many runs).
+_described: tuple[Loaded, dict[str, dict[str, str | None]]] | None = None
+
+
 def plugin_versions() -> dict[str, dict[str, str | None]]:
     """Every plugin loaded for this run, by name: its module and the distribution that installed it
     with its version (eblvm's own for the bundled ones; None for a module loaded through
     EBLVM_PLUGIN_MODULES, with the file it came from)."""
+    global _described
+    from eblvm_core.plugins import load
+
+    loaded = load()
+    if _described is None or _described[0] is not loaded:
+        _described = (loaded, _versions(loaded.plugins))
+    return copy.deepcopy(_described[1])
+
+
+def _versions(plugins: list[PluginInfo]) -> dict[str, dict[str, str | None]]:
     import importlib.util
     from importlib.metadata import PackageNotFoundError, distribution, entry_points
 
-    from eblvm_core.plugins import BUILTIN, DISTRIBUTION, GROUP, load
+    from eblvm_core.plugins import BUILTIN, DISTRIBUTION, GROUP
 
     installed = {ep.name: getattr(ep, "dist", None) for ep in entry_points(group=GROUP)}
     with contextlib.suppress(PackageNotFoundError):
         installed.update({name: distribution(DISTRIBUTION) for name in BUILTIN})  # the core's own
     out: dict[str, dict[str, str | None]] = {}
-    for info in load().plugins:
+    for info in plugins:
         dist = installed.get(info.name)
         entry: dict[str, str | None] = {
             "module": info.module,
