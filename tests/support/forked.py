@@ -27,10 +27,12 @@ from pathlib import Path
 STDOUT = subprocess.STDOUT  # stderr=STDOUT: both streams in one file, as Popen merges them
 
 
-def _context() -> multiprocessing.context.ForkServerContext:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["eblvm_core.worker_imports"])  # as eblvm_core.startup.worker_pool asks
-    return context
+def context() -> multiprocessing.context.ForkServerContext:
+    """The fork server's context, its preload set: ``Process`` objects (or ``start_method="forkserver"``
+    of ``torch.multiprocessing.start_processes``) made after this start without importing torch."""
+    server = multiprocessing.get_context("forkserver")
+    server.set_forkserver_preload(["eblvm_core.worker_imports"])  # as eblvm_core.startup.worker_pool asks
+    return server
 
 
 def _run_eblvm(args: list[str], cwd: str, environment: dict[str, str], stdout: str, stderr: str) -> None:
@@ -71,7 +73,7 @@ class Forked:
         for path in {self._out, self._err}:
             path.write_bytes(b"")
         environment = dict(os.environ if env is None else env)
-        self._process = _context().Process(
+        self._process = context().Process(
             target=_run_eblvm,
             args=([str(a) for a in args], str(cwd or os.getcwd()), environment, str(self._out), str(self._err)),
         )
