@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from eblvm_grbm.model import GRBM
 
+from tests.support.forked import Forked
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 RECIPES = ROOT / "recipes"
 
@@ -91,8 +93,6 @@ def grbm_away_from_init(
 def kill_run_when(recipe: Path, out: Path, ready: Callable[[Path], bool], timeout: float = 120.0) -> None:
     """Start ``eblvm run RECIPE --out OUT`` in a process (``forked.Forked``) and kill it (SIGKILL) as soon as a
     ``last.pt`` checkpoint exists for which ``ready(path)`` holds, or when it ends or times out."""
-    from tests.support.forked import Forked
-
     proc = Forked(["run", recipe, "--out", out])
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
