@@ -24,6 +24,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from eblvm_core.rank_server import ForkedRank
+
 STDOUT = subprocess.STDOUT  # stderr=STDOUT: both streams in one file, as Popen merges them
 
 
@@ -52,8 +54,9 @@ def _run_eblvm(args: list[str], cwd: str, environment: dict[str, str], stdout: s
     runpy.run_module("eblvm", run_name="__main__", alter_sys=True)  # exits with the command's code
 
 
-class Forked:
-    """``python -m eblvm ARGS`` forked from the fork server (see the module's note)."""
+class Forked(ForkedRank):
+    """``python -m eblvm ARGS`` forked from the fork server (see the module's note): signalled as the
+    rank server's ranks are, its exit code read from the fork server (it is not this process's child)."""
 
     def __init__(
         self,
@@ -78,28 +81,20 @@ class Forked:
             args=([str(a) for a in args], str(cwd or os.getcwd()), environment, str(self._out), str(self._err)),
         )
         self._process.start()
-        self.pid: int = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit code (-S when killed by signal S), or None while it runs."""
-        return self._process.exitcode
+        super().__init__(self._process.pid)
 
     def poll(self) -> int | None:
+        """The exit code (-S when killed by signal S), or None while it runs."""
+        if self.returncode is None:
+            self.returncode = self._process.exitcode
         return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signum)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
-        if self.returncode is None:
+        code = self.poll()
+        if code is None:
             raise subprocess.TimeoutExpired(f"forked eblvm {self.pid}", timeout or 0.0)
-        return self.returncode
+        return code
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str | None]:
         """(stdout, stderr) once the process has ended; stderr None where it went to stdout."""
