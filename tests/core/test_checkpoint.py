@@ -218,6 +218,27 @@ def test_the_rng_state_puts_back_every_stream():
     assert torch.equal(first[0], again[0]) and first[1] == again[1] and (first[2] == again[2]).all()
 
 
+@pytest.mark.parametrize("seed", [0, 7, 2**32 + 5])
+def test_seed_everything_starts_the_streams_torch_manual_seed_and_the_seeded_generators_start(seed):
+    """On a machine without an accelerator it seeds torch's CPU generator alone, as torch.manual_seed
+    does there; Python's and NumPy's generators (the latter modulo 2**32) as their own seed functions."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    want = (torch.rand(3), torch.randn(2, dtype=torch.float64), random.random(), np.random.rand(2))
+    torch.manual_seed(seed + 1)  # other states, so a generator left unseeded shows
+    random.seed(seed + 1)
+    np.random.seed((seed + 1) % 2**32)
+    ckpt.seed_everything(seed)
+    got = (torch.rand(3), torch.randn(2, dtype=torch.float64), random.random(), np.random.rand(2))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[2] == want[2] and (got[3] == want[3]).all()
+
+
 def test_kept_steps_are_in_numeric_order_and_stale_temporaries_alone_are_removed(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
