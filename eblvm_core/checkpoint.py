@@ -52,6 +52,9 @@ def load(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     return torch.load(path, map_location=map_location, weights_only=True)
 
 
+_PLAIN = (int, float, str, bool, type(None))  # values fed as ``V<type>:<repr>``
+
+
 def _feed(digest: Any, obj: Any) -> None:
     """Feed ``obj`` to a hashlib digest: tensors by dtype, shape and bytes; containers in key order."""
     if isinstance(obj, torch.Tensor):
@@ -65,6 +68,9 @@ def _feed(digest: Any, obj: Any) -> None:
             _feed(digest, obj[key])
     elif isinstance(obj, (list, tuple)):
         digest.update(f"{type(obj).__name__}{len(obj)}".encode())
+        if all(type(item) in _PLAIN for item in obj):  # Python's RNG state: 625 ints, fed as one
+            digest.update("".join(f"V{type(item).__name__}:{item!r}" for item in obj).encode())
+            return
         for item in obj:
             _feed(digest, item)
     else:
