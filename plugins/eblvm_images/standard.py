@@ -13,6 +13,7 @@ one line naming it and what to do, as is a download through torchvision that fai
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import pickle
 from collections.abc import Callable, Iterator
@@ -95,13 +96,20 @@ class DigitsConfig(ImageOptions):
     split_seed: int = option(0, "seed of the fixed permutation that splits the images")
 
 
-def digits(cfg: DigitsConfig, parts: Parts) -> DataSplits:
-    """scikit-learn's 1797 handwritten digits, 8×8 grey (16 grey levels stored as uint8 0..255), no file needed."""
+@functools.cache
+def _digits_read() -> tuple[Tensor, Tensor]:
+    """scikit-learn's digits as images (1797, 1, 8, 8) uint8 0..255 and labels (1797,) int64, read
+    once a process (parsing its text file takes some 25 ms; a search worker builds many runs)."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
-    images = torch.from_numpy(np.round(bunch.images * 255 / 16).astype(np.uint8)).unsqueeze(1)  # (1797, 1, 8, 8)
-    labels = torch.from_numpy(bunch.target.astype(np.int64))
+    images = torch.from_numpy(np.round(bunch.images * 255 / 16).astype(np.uint8)).unsqueeze(1)
+    return images, torch.from_numpy(bunch.target.astype(np.int64))
+
+
+def digits(cfg: DigitsConfig, parts: Parts) -> DataSplits:
+    """scikit-learn's 1797 handwritten digits, 8×8 grey (16 grey levels stored as uint8 0..255), no file needed."""
+    images, labels = _digits_read()  # indexed below: each run gets its own copies
     if cfg.n_test >= len(images):
         raise ConfigError("", "n_test", f"must leave training images: there are {len(images)}")
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(cfg.split_seed))

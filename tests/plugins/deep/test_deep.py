@@ -299,6 +299,17 @@ def test_digits_are_built_in_with_labels():
     assert float(data.tensor("train").max()) == 1.0 and set(data.labels["test"].tolist()) == set(range(10))
 
 
+def test_digits_read_once_are_each_runs_own():
+    """The file is parsed once a process; a run that changes its images or labels changes no other's."""
+    first, second = make("datasets", "digits", Parts()), make("datasets", "digits", Parts())
+    assert torch.equal(first.train, second.train) and torch.equal(first.labels["train"], second.labels["train"])
+    kept = second.train.clone(), second.labels["train"].clone()
+    first.train.zero_()
+    first.labels["train"].fill_(-1)
+    assert torch.equal(second.train, kept[0]) and torch.equal(second.labels["train"], kept[1])
+    assert torch.equal(make("datasets", "digits", Parts()).train, kept[0])
+
+
 # ---- FID ---------------------------------------------------------------------------------------
 
 
