@@ -16,7 +16,7 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -103,11 +103,11 @@ def _wanted(names: list[str]) -> set[str]:
     return {n.strip() for n in pinned.split(",") if n.strip()}
 
 
-def check_pins() -> None:
+def check_pins(installed: Iterable[str] | None = None) -> None:
     """A plugin EBLVM_LOAD_PLUGINS pins that is not installed is an EblvmError: one line, rather
-    than the missing components of every recipe that needs it (read from the installed
-    distributions' metadata, nothing imported)."""
-    eps = sorted(ep.name for ep in entry_points(group=GROUP))
+    than the missing components of every recipe that needs it (``installed``: the entry points'
+    names, else read from the installed distributions' metadata; nothing imported)."""
+    eps = sorted(installed if installed is not None else (ep.name for ep in entry_points(group=GROUP)))
     missing = sorted(_wanted(eps) - set(eps))
     if missing:
         names = ", ".join(f"'{name}'" for name in missing)
@@ -117,8 +117,8 @@ def check_pins() -> None:
 
 def _candidates() -> list[tuple[str, str, Callable[[], Any]]]:
     """(name, module path, loader) of every plugin to load: the core, bundled, third-party, extra modules."""
-    check_pins()
     eps = {ep.name: ep for ep in entry_points(group=GROUP)}
+    check_pins(eps)
     wanted = _wanted(list(eps))
 
     def bundled_first(name: str) -> tuple[bool, str]:
