@@ -8,6 +8,7 @@ import os
 import shutil
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -60,17 +61,30 @@ def write_recipe(tmp_path: Path):
     return write
 
 
+# The click command typer builds from the app, with what it was built from: building it reads every
+# command's signature and type hints (some 10 ms), which typer's CliRunner does on every invocation.
+_built: tuple[tuple[int, ...], Any] | None = None
+
+
 @pytest.fixture
 def cli():
     """invoke(args) -> click Result of the eblvm app, with the plugins' commands, in-process."""
-    from typer.testing import CliRunner
+    from click.testing import CliRunner
+    from typer.main import get_command
 
     from eblvm_core.cli import add_plugin_commands, app
 
     add_plugin_commands(echo=lambda _line: None)
 
+    def command() -> Any:
+        global _built
+        made_of = tuple(map(id, [app.registered_callback, *app.registered_commands, *app.registered_groups]))
+        if _built is None or _built[0] != made_of:
+            _built = (made_of, get_command(app))
+        return _built[1]
+
     runner = CliRunner()
-    return lambda args: runner.invoke(app, [str(a) for a in args])
+    return lambda args: runner.invoke(command(), [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
