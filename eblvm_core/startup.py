@@ -68,11 +68,17 @@ def worker_pool(workers: int) -> ProcessPoolExecutor:
     Either way a worker starts with collection paused (``pause_gc``) until its run builds, and with
     this process's environment as it is when the pool is made; what torch read from the environment
     as it loaded, it read in the server, started with the first pool's environment."""
+    return ProcessPoolExecutor(workers, worker_context(), initializer=_start_worker, initargs=(dict(os.environ),))
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where worker processes start: the fork server, preloading ``eblvm_core.worker_imports``, where
+    the platform has one; else a spawned interpreter."""
     forks = "forkserver" in multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("forkserver" if forks else "spawn")
     if forks:
         context.set_forkserver_preload(["eblvm_core.worker_imports"])
-    return ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(dict(os.environ),))
+    return context
 
 
 def _start_worker(environment: dict[str, str]) -> None:

@@ -25,16 +25,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eblvm_core.rank_server import ForkedRank
+from eblvm_core.startup import worker_context
 
 STDOUT = subprocess.STDOUT  # stderr=STDOUT: both streams in one file, as Popen merges them
 
 
-def context() -> multiprocessing.context.ForkServerContext:
-    """The fork server's context, its preload set: ``Process`` objects (or ``start_method="forkserver"``
-    of ``torch.multiprocessing.start_processes``) made after this start without importing torch."""
-    server = multiprocessing.get_context("forkserver")
-    server.set_forkserver_preload(["eblvm_core.worker_imports"])  # as eblvm_core.startup.worker_pool asks
-    return server
+def context() -> multiprocessing.context.BaseContext:
+    """The fork server's context, its preload set (``eblvm_core.startup.worker_context``, as the
+    worker pools have it): ``Process`` objects (or ``start_method="forkserver"`` of
+    ``torch.multiprocessing.start_processes``) made after this start without importing torch."""
+    return worker_context()
 
 
 def _run_eblvm(args: list[str], cwd: str, environment: dict[str, str], stdout: str, stderr: str) -> None:
