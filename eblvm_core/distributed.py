@@ -112,17 +112,26 @@ def leave_process_group() -> None:
     leaves last: a peer still asking the store when its host exits prints torch's "recvValue
     failed ... Connection reset by peer" warning with a C++ stack trace."""
     global _groups_torn_down
-    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    store, world, host = dist.distributed_c10d._get_default_store(), dist.get_world_size(), hosts_store()
     dist.barrier()
     dist.destroy_process_group()
     _groups_torn_down += 1  # a key per group: every rank joins and leaves groups in the same order
     wait_for_all(store, f"eblvm/torn_down/{_groups_torn_down}", world)
     left = f"eblvm/left/{_groups_torn_down}"  # each peer's last call to the store
-    if _served_store is not None:
+    if host:
         wait_for_all(store, left, world)
     else:
         with contextlib.suppress(Exception):
             store.add(left, 1)
+
+
+def hosts_store() -> bool:
+    """Whether the rendezvous store lives in this process: rank 0 of ``eblvm run --nproc-per-node``
+    serves it (``serve_store``); rank 0 of ranks started without torchrun's agent store (the
+    environment alone: MASTER_ADDR, RANK, ...) started it when it joined. Under torchrun the agent
+    holds it."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # as torch reads it
+    return _served_store is not None or (not agent and dist.get_rank() == 0)
 
 
 def wait_for_all(store: Any, key: str, world: int, seconds: float = 30.0) -> None:

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
 from tests.support import ROOT, SMALL_RECIPE, only_run_dir
-from tests.support.forked import Forked
+from tests.support.forked import Forked, torchrun_ranks
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
@@ -61,34 +60,10 @@ def write_recipe(path: Path, base: str | dict, run: dict, **sections) -> Path:
     return path
 
 
-_ports: set[int] = set()
-
-
-def free_port() -> int:
-    """A free TCP port, never the same twice in this session (launches may overlap)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _ports:
-            _ports.add(port)
-            return port
-
-
 def launch(args: list, logs: Path) -> list[Forked]:
-    """Two processes of `python -m eblvm run ARGS` in torchrun's environment, forked (``Forked``); output in ``logs``."""
-    port, procs = str(free_port()), []
-    for rank in range(2):
-        env = environment(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        procs.append(Forked(["run", *args], cwd=ROOT, env=env, log=logs.with_name(f"{logs.name}.rank{rank}")))
-    return procs
+    """Two ranks of `python -m eblvm run ARGS` as torchrun starts them, forked (``torchrun_ranks``), in
+    this module's environment; output in ``logs``.rank0 and .rank1."""
+    return torchrun_ranks(args, logs, environment(), cwd=ROOT)
 
 
 def wait(procs: list[Forked], logs: Path) -> list[int]:
@@ -195,13 +170,20 @@ def fixed_noise_plugin(monkeypatch):
     monkeypatch.setattr(plugins, "_loaded", None)
 
 
+# The case whose ranks `eblvm run --nproc-per-node 2` starts; the others' ranks are started as torchrun
+# starts them (``launch``: forked, so they skip a fresh interpreter's import of torch).
+LAUNCHED_BY_EBLVM = "grbm_bissm"
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tmp_path, fixed_noise_plugin):
     """4 steps in float64 with the random draws a function of each data point (tests/support/fixed_noise.py):
     the parameters after every step equal those of one process to 1e-14 (the gap is 1e-17 or
     less), the gradient norms of every role to 1e-12 relative; rank 0 alone wrote the run
-    directory; each rank kept its own random stream; one process of the launch imported torch:
-    not the launching one (rank 0 serves the rendezvous store), nor the ranks, forked from it."""
+    directory; each rank kept its own random stream. Launched by `eblvm run --nproc-per-node 2`
+    (``LAUNCHED_BY_EBLVM``), one process of the launch imported torch: not the launching one (rank 0
+    serves the rendezvous store), nor the ranks, forked from it. Torch logs nothing, however the
+    ranks were started: the rank that holds the store leaves last."""
     steps = 4
     recipe = write_recipe(
         tmp_path / "recipe.toml",
@@ -213,20 +195,28 @@ def test_two_processes_equal_one_process_fed_the_union_of_their_batches(name, tm
         **RECIPES[name],
     )
 
-    command = [sys.executable, "-m", "eblvm", "run", recipe, "--nproc-per-node", "2", "--out", tmp_path / "two"]
-    every_import = environment(PYTHONPROFILEIMPORTTIME="1")  # each process lists what it imports
-    two = subprocess.Popen(command, cwd=ROOT, env=every_import, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     from tests.support import session_run as run  # the one process: this one, while the two train
 
-    run(recipe, out=tmp_path / "one", echo=lambda _line: None)
-    lines = two.communicate(timeout=TIMEOUT)[0].decode().splitlines()
-    imported = [line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")]
-    output = "\n".join(line for line in lines if not line.startswith("import time:"))
-    assert two.returncode == 0, output
-    assert output.count("done: ") == 1 and "2 processes" in output
+    if name == LAUNCHED_BY_EBLVM:
+        command = [sys.executable, "-m", "eblvm", "run", recipe, "--nproc-per-node", "2", "--out", tmp_path / "two"]
+        every_import = environment(PYTHONPROFILEIMPORTTIME="1")  # each process lists what it imports
+        two = subprocess.Popen(command, cwd=ROOT, env=every_import, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        run(recipe, out=tmp_path / "one", echo=lambda _line: None)
+        lines = two.communicate(timeout=TIMEOUT)[0].decode().splitlines()
+        imported = [line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")]
+        output = "\n".join(line for line in lines if not line.startswith("import time:"))
+        assert two.returncode == 0, output
+        assert "2 processes" in output
+        assert "eblvm_core.processes" in imported and "eblvm_core.worker_imports" in imported
+        assert imported.count("torch") == 1, "torch was imported by the launching process or by every rank"
+    else:
+        logs = tmp_path / "two.log"
+        ranks = launch([recipe, "--out", tmp_path / "two"], logs)
+        run(recipe, out=tmp_path / "one", echo=lambda _line: None)
+        assert wait(ranks, logs) == [0, 0], read_logs(logs)
+        output = read_logs(logs)
+    assert output.count("done: ") == 1, output  # rank 0's
     assert not torch_log_lines(output), output  # e.g. a rank asking the store after its host exited
-    assert "eblvm_core.processes" in imported and "eblvm_core.worker_imports" in imported
-    assert imported.count("torch") == 1, "torch was imported by the launching process or by every rank"
 
     one_dir, two_dir = only_run_dir(tmp_path / "one"), only_run_dir(tmp_path / "two")
     expected, got = parameters_by_step(one_dir), parameters_by_step(two_dir)
@@ -353,7 +343,7 @@ def test_a_ctrl_c_during_the_set_up_stops_every_rank_before_the_first_step(tmp_p
     """Ctrl-C while rank 0 still builds and rank 1 waits for it at a collective: neither rank
     leaves its set-up alone (the other's collective would fail with a traceback); they agree to
     stop before the first step, rank 0 writes a checkpoint at step 0 and says how to resume, and
-    the resumed run finishes."""
+    the resumed run (its ranks started as torchrun starts them) finishes."""
     marker = tmp_path / "building"
     recipe = tomllib.loads(SMALL_RECIPE)
     recipe["estimator"] = {"kind": "exact-score-slow-build-on-rank0", "marker": str(marker)}
@@ -367,8 +357,8 @@ def test_a_ctrl_c_during_the_set_up_stops_every_rank_before_the_first_step(tmp_p
     assert output.splitlines()[-1].startswith("interrupted: SIGINT at step 0/30: checkpoint"), output
     run_dir = only_run_dir(tmp_path / "runs")
     assert networks(run_dir)["step"] == 0
-    resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
-    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
+    logs = tmp_path / "resumed"  # the ranks started as torchrun starts them
+    assert wait(launch(["--resume", run_dir], logs), logs) == [0, 0], read_logs(logs)
     assert networks(run_dir)["step"] == 30
 
 
@@ -455,8 +445,9 @@ def test_kill_and_resume_under_two_processes_matches_the_uninterrupted_run(refer
 def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(reference_run, tmp_path):
     """One SIGINT to the launcher's process group: both ranks finish their step, agree at the next
     logging step, write a checkpoint and stop; one line, exit 130, no traceback, no torch warning
-    or banner. The resumed run ends where the uninterrupted one does, to the bit; run.json records
-    the command as typed and every plugin with its version."""
+    or banner. The resumed run (its ranks started as torchrun starts them) ends where the
+    uninterrupted one does, to the bit; run.json records the command as typed and every plugin
+    with its version."""
     proc = start_launch([reference_run["recipe"], "--out", tmp_path / "runs"], tmp_path / "out.log")
     run_dir = wait_for_step(tmp_path / "runs", 100, proc)
     ctrl_c(proc)
@@ -480,10 +471,10 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(refe
     assert extra["distribution"] is None and extra["file"].endswith("fixed_noise.py")
     assert not (run_dir / ".lock").exists()
 
-    resumed = start_launch(["--resume", run_dir], tmp_path / "resumed.log")
-    assert resumed.wait(timeout=TIMEOUT) == 0, (tmp_path / "resumed.log").read_text()
-    assert f"resuming {run_dir} at step {at}" in (tmp_path / "resumed.log").read_text()
-    assert not torch_log_lines((tmp_path / "resumed.log").read_text())
+    logs = tmp_path / "resumed"  # the ranks started as torchrun starts them
+    assert wait(launch(["--resume", run_dir], logs), logs) == [0, 0], read_logs(logs)
+    assert f"resuming {run_dir} at step {at}" in read_logs(logs)
+    assert not torch_log_lines(read_logs(logs)), read_logs(logs)
     assert_same_run(networks(run_dir), finished_reference(reference_run))
 
 

@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,3 +101,43 @@ class Forked(ForkedRank):
         """(stdout, stderr) once the process has ended; stderr None where it went to stdout."""
         self.wait(timeout)
         return self._out.read_text(), None if self._err == self._out else self._err.read_text()
+
+
+_ports: set[int] = set()
+
+
+def free_port() -> int:
+    """A free TCP port, never the same twice in this process (launches may overlap)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _ports:
+            _ports.add(port)
+            return port
+
+
+def torchrun_ranks(
+    args: Sequence[object], logs: Path, env: dict[str, str], cwd: Path | str | None = None
+) -> list[Forked]:
+    """Two ranks of ``python -m eblvm run ARGS``, forked, in ``env`` with what torchrun adds (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...; rank 0 hosts the rendezvous store, as without torchrun's agent);
+    rank r's output in the file ``logs`` named with ``.rank{r}`` appended."""
+    port = str(free_port())
+    return [
+        Forked(
+            ["run", *args],
+            cwd=cwd,
+            env={
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+                "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+            log=logs.with_name(f"{logs.name}.rank{rank}"),
+        )
+        for rank in range(2)
+    ]

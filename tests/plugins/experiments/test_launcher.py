@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 from eblvm_core import checkpoint as ckpt
 from tests.support import SMALL_RECIPE, one_line_error, session_run
-from tests.support.forked import STDOUT, Forked
+from tests.support.forked import STDOUT, Forked, torchrun_ranks
 
 NO_SUBMITIT = "eblvm's 'slurm' extra (submitit) is not installed: pip install -e '.[slurm]'"
 LONG = SMALL_RECIPE.replace("steps = 30", "steps = 400").replace("checkpoint_every = 10", "checkpoint_every = 50")
@@ -150,16 +149,14 @@ def test_a_job_told_to_stop_checkpoints_is_requeued_and_ends_as_an_uninterrupted
 def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run(write_recipe, tmp_path):
     """A job whose two tasks are a run's ranks (rank and world from the job's environment), all
     told to stop, as Slurm signals every task: the ranks agree to checkpoint, the job is requeued
-    and the run ends with the parameters ``--nproc-per-node 2`` gives uninterrupted."""
+    and the run ends with the parameters two ranks give uninterrupted."""
     pytest.importorskip("submitit", reason=NO_SUBMITIT)
     recipe = write_recipe(LONG.replace("seed = 7", "seed = 7\nthreads = 1"))
-    reference = subprocess.run(
-        [sys.executable, "-m", "eblvm", "run", str(recipe), "--nproc-per-node", "2", "--device", "cpu"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
-    assert reference.returncode == 0, reference.stderr
+    logs = tmp_path / "reference"  # two ranks as torchrun starts them, uninterrupted
+    reference = torchrun_ranks([recipe, "--device", "cpu"], logs, dict(os.environ), cwd=tmp_path)
+    assert [rank.wait(timeout=300) for rank in reference] == [0, 0], [
+        p.read_text() for p in tmp_path.glob("reference.rank*")
+    ]
     (full,) = (tmp_path / "runs" / "small").iterdir()
     out = tmp_path / "job"
     args = ["run", recipe, "--launcher", "submitit-local", "--nproc-per-node", "2", "--wait", "--device", "cpu"]
