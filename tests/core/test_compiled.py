@@ -8,6 +8,8 @@ slow, on small networks and batches."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,14 +203,23 @@ def test_a_compiled_run_resumes_to_the_bit_and_records_how_it_stepped(tmp_path):
 @pytest.mark.slow
 def test_a_compiled_run_that_diverges_stops_with_its_last_good_checkpoint(tmp_path):
     """The NaN guard sees a compiled step's loss as an eager one's: a rate that blows the model up
-    stops the run (exit 3's error) naming the checkpoint that holds good parameters."""
+    (SGD at 30) stops the run (exit 3's error) at the step whose parameters left the finite
+    numbers, naming the checkpoint of the step before, whose parameters are finite."""
     from eblvm_core.errors import TrainingDiverged
 
-    options = ["run.compile=true", "run.steps=200", "run.log_every=10", "run.checkpoint_every=10", "~eval"]
-    options += ["optim.model.lr=1e6", "run.seed=1"]
+    # the scheduled SGD case's graph (its rate an input, here held constant): compiled once a session
+    recipe, overrides = SCHEDULED["exact-score DSM, SGD with momentum"]
+    options = [*SMALL, *overrides, "optim.model.schedule.gamma=1.0", "optim.model.lr=30", "run.compile=true"]
+    options += ["run.steps=200", "run.log_every=1", "run.checkpoint_every=1"]
     with pytest.raises(TrainingDiverged, match="not finite|non-finite") as info:
-        session_run(RECIPES / "grbm_dsm.toml", options, out=tmp_path, echo=lambda _line: None)
-    assert "checkpoint" in str(info.value)
+        session_run(RECIPES / recipe, options, out=tmp_path, echo=lambda _line: None)
+    named = re.search(r"last good checkpoint: (\S+) \(step (\d+)", str(info.value))
+    assert named, str(info.value)
+    state = ckpt.load(Path(named.group(1)))
+    assert state["step"] == int(named.group(2)) >= 1
+    assert all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
+    sessions = json.loads((Path(named.group(1)).parent.parent / "run.json").read_text())["sessions"]
+    assert [s["training_step"] for s in sessions] == ["compiled"]
 
 
 def plan_of(recipe: str, overrides: list[str] = ()):
