@@ -150,7 +150,8 @@ def test_a_job_told_to_stop_checkpoints_is_requeued_and_ends_as_an_uninterrupted
 def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run(write_recipe, tmp_path):
     """A job whose two tasks are a run's ranks (rank and world from the job's environment), all
     told to stop, as Slurm signals every task: the ranks agree to checkpoint, the job is requeued
-    and the run ends with the parameters two ranks give uninterrupted."""
+    and the run ends with the parameters two ranks give uninterrupted; no rank warns that the
+    rendezvous store's host (rank 0, submitit giving no agent store) left before it."""
     pytest.importorskip("submitit", reason=NO_SUBMITIT)
     recipe = write_recipe(LONG.replace("seed = 7", "seed = 7\nthreads = 1"))
     logs = tmp_path / "reference"  # two ranks as torchrun starts them, uninterrupted
