@@ -215,10 +215,11 @@ def test_a_compiled_run_that_diverges_stops_with_its_last_good_checkpoint(tmp_pa
         session_run(RECIPES / recipe, options, out=tmp_path, echo=lambda _line: None)
     named = re.search(r"last good checkpoint: (\S+) \(step (\d+)", str(info.value))
     assert named, str(info.value)
-    state = ckpt.load(Path(named.group(1)))
+    checkpoint = Path(named.group(1))
+    state = ckpt.load(checkpoint)
     assert state["step"] == int(named.group(2)) >= 1
     assert all(torch.isfinite(t).all() for t in state["networks"]["model"].values())
-    sessions = json.loads((Path(named.group(1)).parent.parent / "run.json").read_text())["sessions"]
+    sessions = json.loads((checkpoint.parent.parent / "run.json").read_text())["sessions"]
     assert [s["training_step"] for s in sessions] == ["compiled"]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from eblvm_core import checkpoint as ckpt
 from eblvm_core import distributed
 from eblvm_core.roles import TrainingRole
 from tests.support import ROOT, SMALL_RECIPE, only_run_dir
-from tests.support.forked import Forked, torchrun_ranks
+from tests.support.forked import Forked, read_logs, torch_log_lines, torchrun_ranks
 
 pytestmark = pytest.mark.slow  # every test here starts processes (torchrun ranks, pip installs)
 
@@ -75,15 +74,6 @@ def wait(procs: list[Forked], logs: Path) -> list[int]:
         for p in procs:
             p.kill()
         raise AssertionError(f"timed out: {read_logs(logs)}") from None
-
-
-def read_logs(logs: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted(logs.parent.glob(f"{logs.name}.rank*")))
-
-
-def torch_log_lines(output: str) -> list[str]:
-    """The warnings and errors torch's C++ code logged (``[W1207 09:45:23.449 TCPStore.cpp:125] ...``)."""
-    return re.findall(r"^\[[WE]\d{4} .*$", output, flags=re.MULTILINE)
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -14,8 +14,8 @@ for and read as ``subprocess.Popen`` with ``text=True`` is.
 from __future__ import annotations
 
 import faulthandler
-import multiprocessing
 import os
+import re
 import runpy
 import signal
 import socket
@@ -29,13 +29,6 @@ from eblvm_core.rank_server import ForkedRank
 from eblvm_core.startup import worker_context
 
 STDOUT = subprocess.STDOUT  # stderr=STDOUT: both streams in one file, as Popen merges them
-
-
-def context() -> multiprocessing.context.BaseContext:
-    """The fork server's context, its preload set (``eblvm_core.startup.worker_context``, as the
-    worker pools have it): ``Process`` objects (or ``start_method="forkserver"`` of
-    ``torch.multiprocessing.start_processes``) made after this start without importing torch."""
-    return worker_context()
 
 
 def _run_eblvm(args: list[str], cwd: str, environment: dict[str, str], stdout: str, stderr: str) -> None:
@@ -77,7 +70,7 @@ class Forked(ForkedRank):
         for path in {self._out, self._err}:
             path.write_bytes(b"")
         environment = dict(os.environ if env is None else env)
-        self._process = context().Process(
+        self._process = worker_context().Process(
             target=_run_eblvm,
             args=([str(a) for a in args], str(cwd or os.getcwd()), environment, str(self._out), str(self._err)),
         )
@@ -141,3 +134,13 @@ def torchrun_ranks(
         )
         for rank in range(2)
     ]
+
+
+def read_logs(logs: Path) -> str:
+    """The ranks' output of ``torchrun_ranks(..., logs, ...)``, rank 0's first."""
+    return "\n".join(p.read_text() for p in sorted(logs.parent.glob(f"{logs.name}.rank*")))
+
+
+def torch_log_lines(output: str) -> list[str]:
+    """The warnings and errors torch's C++ code logged (``[W1207 09:45:23.449 TCPStore.cpp:125] ...``)."""
+    return re.findall(r"^\[[WE]\d{4} .*$", output, flags=re.MULTILINE)

@@ -24,8 +24,8 @@ from eblvm.testing import make
 from eblvm_core import distributed
 from eblvm_core.bilevel import Functional, condition_on, conjugate_gradient, flat, grads_or_zeros, sgd_step
 from eblvm_core.contracts import Conditioned, DataSplits, EnergyModel, Parts, energies
+from eblvm_core.startup import worker_context
 from tests.plugins.bism.test_bism import grbm_parts
-from tests.support import forked
 
 F64 = torch.float64
 SHAPE = (1, 8, 8)
@@ -371,7 +371,7 @@ def test_two_ranks_with_cached_features_give_the_hypergradient_of_one_process_fe
     x, eps = est.objective.points(est.posterior.head.weight.new_empty(16, *SHAPE).uniform_())
     expected = flat(est.hypergradient(x, eps)[0])
     out = tmp_path / "mean.pt"
-    forked.context()  # the ranks forked from the fork server, which loaded torch once
+    worker_context()  # the ranks forked from the fork server, which loaded torch once
     args = (str(tmp_path / "store"), x, eps, str(out))
     torch.multiprocessing.start_processes(rank_hypergradient, args, nprocs=2, start_method="forkserver")
     torch.testing.assert_close(torch.load(out), expected, rtol=1e-10, atol=1e-12)
