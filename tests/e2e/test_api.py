@@ -18,6 +18,7 @@ import eblvm
 from eblvm_core import checkpoint as ckpt
 from eblvm_core.errors import ConfigError, EblvmError
 from tests.support import BISM, ROOT, SMALL_RECIPE, assert_same_parameters, metrics_rows, only_run_dir, same_tensors
+from tests.support.forked import Forked
 
 quiet = None  # echo=None: nothing printed
 
@@ -34,21 +35,16 @@ def printed(output: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_a_recipe_path_trains_as_the_command_line_does(write_recipe, tmp_path):
-    """The same recipe file: `python -m eblvm run` in a fresh process and eblvm.train here give the
-    same parameters and optimizer state to the bit, and the API returns the printed final metrics."""
+    """The same recipe file: `python -m eblvm run` in a process of its own and eblvm.train here give
+    the same parameters and optimizer state to the bit, and the API returns the printed final metrics."""
     recipe = write_recipe(BISM)
     cli_out = tmp_path / "cli"
-    done = subprocess.run(
-        [sys.executable, "-m", "eblvm", "run", str(recipe), "--out", str(cli_out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
+    done = Forked(["run", recipe, "--out", cli_out], cwd=ROOT)
+    stdout, stderr = done.communicate(timeout=300)
+    assert done.returncode == 0, stderr
     run = eblvm.train(recipe, out=tmp_path / "api", echo=quiet)
     assert_same_parameters(only_run_dir(cli_out), run.run_dir)
-    shown = printed(done.stdout)
+    shown = printed(stdout)
     assert shown and shown == {k.removeprefix("eval/"): f"{v:.6g}" for k, v in run.metrics.items()}
     final = [r for r in map(json.loads, (run.run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] == 30]
     assert {k: v for k, v in final[-1].items() if k.startswith("eval/")} == run.metrics
