@@ -463,8 +463,9 @@ def test_ctrl_c_under_two_processes_stops_cleanly_and_resumes_bit_identical(refe
 
     logs = tmp_path / "resumed"  # the ranks started as torchrun starts them
     assert wait(launch(["--resume", run_dir], logs), logs) == [0, 0], read_logs(logs)
-    assert f"resuming {run_dir} at step {at}" in read_logs(logs)
-    assert not torch_log_lines(read_logs(logs)), read_logs(logs)
+    resumed = read_logs(logs)
+    assert f"resuming {run_dir} at step {at}" in resumed
+    assert not torch_log_lines(resumed), resumed
     assert_same_run(networks(run_dir), finished_reference(reference_run))
 
 

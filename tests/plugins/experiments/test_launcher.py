@@ -153,9 +153,9 @@ def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run
     rendezvous store's host (rank 0, submitit giving no agent store) left before it."""
     pytest.importorskip("submitit", reason=NO_SUBMITIT)
     recipe = write_recipe(LONG.replace("seed = 7", "seed = 7\nthreads = 1"))
-    logs = tmp_path / "reference"  # two ranks as torchrun starts them, uninterrupted
-    reference = torchrun_ranks([recipe, "--device", "cpu"], logs, dict(os.environ), cwd=tmp_path)
-    assert [rank.wait(timeout=300) for rank in reference] == [0, 0], read_logs(logs)
+    reference_logs = tmp_path / "reference"  # two ranks as torchrun starts them, uninterrupted
+    reference = torchrun_ranks([recipe, "--device", "cpu"], reference_logs, dict(os.environ), cwd=tmp_path)
+    assert [rank.wait(timeout=300) for rank in reference] == [0, 0], read_logs(reference_logs)
     (full,) = (tmp_path / "runs" / "small").iterdir()
     out = tmp_path / "job"
     args = ["run", recipe, "--launcher", "submitit-local", "--nproc-per-node", "2", "--wait", "--device", "cpu"]
@@ -166,14 +166,14 @@ def test_a_two_rank_job_stopped_mid_run_ends_as_an_uninterrupted_two_process_run
     os.kill(controller, signal.SIGTERM)
     output = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, output
-    logs = "".join(p.read_text() for p in sorted((out / "slurm").glob("*_log.*")))
-    assert len(sessions(run_dir)) == 2, f"{sessions(run_dir)}\n{output}\n{logs}"
+    job_logs = "".join(p.read_text() for p in sorted((out / "slurm").glob("*_log.*")))
+    assert len(sessions(run_dir)) == 2, f"{sessions(run_dir)}\n{output}\n{job_logs}"
     first, second = sessions(run_dir)
     assert (first["status"], second["status"]) == ("interrupted", "finished"), output
     assert first["processes"] == second["processes"] == 2
     assert 0 < first["to_step"] < 400, "the job finished before the signal; the test proves nothing"
     assert_same(run_dir, full)
-    output = logs + read_logs(tmp_path / "reference")
+    output = job_logs + read_logs(reference_logs)
     assert not torch_log_lines(output), output  # e.g. a rank asking the store after rank 0, its host, exited
 
 
