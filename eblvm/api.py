@@ -279,7 +279,8 @@ class Prepared:
         self.state = RunState(recipe, built)
         self.echo = echo or _quiet
         with numerics(self.plan):
-            compiled, line, _how = compile_step(self.state) if self.plan.device.type == "cpu" else (None, None, None)
+            cpu = self.plan.device.type == "cpu"
+            compiled, line, _how = compile_step(self.state, self.echo) if cpu else (None, None, None)
         self.compiled: CompiledStep | None = compiled
         if line is not None:
             self.echo(line)

@@ -463,7 +463,8 @@ class CompiledStep:
 
     ``trace_s`` and ``compile_s`` are the seconds the trace and inductor took; ``draws`` the buffers
     each call fills with the step's random numbers, in the eager step's order; ``calls`` how many
-    compiled parts a step calls and ``compiled_parts`` how many distinct ones were compiled."""
+    compiled parts a step calls and ``compiled_parts`` how many distinct ones were compiled;
+    ``from_cache`` whether every one of them was read from the compile cache (none compiled)."""
 
     def __init__(
         self,
@@ -566,6 +567,7 @@ class CompiledStep:
             others = [key for key in alone if key != largest]
             jobs = {key: (m, inputs, inductor_options(m.graph)) for key, (m, inputs) in alone.items()}
             apart = inductor.compile_apart([jobs[k] for k in others if not inductor.is_cached(*jobs[k])], idle_cores)
+            started_apart = apart is not None
             try:
                 begin, hits = time.perf_counter(), inductor.cache_hits()
                 for key in [largest, *others]:
@@ -577,6 +579,7 @@ class CompiledStep:
                         apart.wait(timeout=pace * sum(size[k] for k in others) + APART_GRACE_S if cold else 0.0)
                         apart = None
                     compiled[key] = inductor.compile_part(*jobs[key])
+                self.from_cache = not started_apart and inductor.cache_hits() - hits == len(compiled)
                 for part, key in zip(parts, keys):
                     writes = [slots.get(part.nodes[i], discard) for i in sorted(returned[key])]
                     self._program.append((compiled[key], [slots[n] for n in part.inputs], writes))
@@ -654,16 +657,24 @@ def _first_line(exc: BaseException) -> str:
     return text[:200]
 
 
-def compile_step(state: Any) -> tuple[CompiledStep | None, str, str]:
+COMPILING = (
+    "compile: tracing and compiling the training step (seconds to a minute the first time; a run of the "
+    "same step after it reads it from the compile cache)"
+)
+
+
+def compile_step(state: Any, say: Callable[[str], None]) -> tuple[CompiledStep | None, str, str]:
     """(compiled step or None, the log's line, what run.json records) for a ``RunState`` on a CPU:
-    the step compiled where the plan says so; with ``compile = "auto"`` a step that cannot be
-    compiled is the eager one with a warning line, with ``true`` a ConfigError naming [run] compile.
-    Made before the run directory is, so a refusal writes nothing."""
+    the step compiled where the plan says so (``say`` gets ``COMPILING`` first, so the console
+    says what the seconds before the first step go to); with ``compile = "auto"`` a step that
+    cannot be compiled is the eager one with a warning line, with ``true`` a ConfigError naming
+    [run] compile. Made before the run directory is, so a refusal writes nothing."""
     from eblvm_core.errors import ConfigError
 
     plan = state.built.plan
     if plan.compile is not None:
         return None, f"compile: eager step: {plan.compile}", f"eager: {plan.compile}"
+    say(COMPILING)
     scheduled = [role.optimizer for role in state.roles.values() if role.scheduled]
     try:
         tensors = state_tensors(state.parts.networks(), state.roles, state.estimator)
@@ -681,8 +692,9 @@ def compile_step(state: Any) -> tuple[CompiledStep | None, str, str]:
         if step.calls == 1
         else f"{step.calls} calls of {step.compiled_parts} graphs (each repeat of a step compiled once)"
     )
+    compiled = "read from the compile cache" if step.from_cache else "compiled"
     line = (
-        f"compile: the training step is traced into {graphs} ({step.trace_s:.1f} s) and compiled "
+        f"compile: the training step is traced into {graphs} ({step.trace_s:.1f} s) and {compiled} "
         f"({step.compile_s:.1f} s); its {drawn} random draws are taken eagerly in {len(step.draws)} calls, in the "
         "eager step's order" + ("; the scheduled rates are inputs of the graph" if scheduled else "")
     )

@@ -149,7 +149,7 @@ def _prepare(
     if checkpoint is not None and resume is not None:
         state.restore(ckpt.to_device(checkpoint, plan.device), source=ckpt.last_checkpoint(resume))
     with numerics(plan):  # compiled with the threads and numerics it runs with
-        compiled = compile_step(state) if plan.device.type == "cpu" else (None, None, None)
+        compiled = compile_step(state, say) if plan.device.type == "cpu" else (None, None, None)
     run_dir = resume or Path(_on_rank0(lambda: locks.claim(new_run_dir(out, recipe.run.name))))
     if plan.rank == 0:
         announce_run_dir(run_dir)

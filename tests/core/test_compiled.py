@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 import eblvm
 from eblvm_core import checkpoint as ckpt
 from eblvm_core import inductor
-from eblvm_core.compiled import CompiledStep, Refused, state_tensors
+from eblvm_core.compiled import COMPILING, CompiledStep, Refused, state_tensors
 from eblvm_core.errors import ConfigError
 from eblvm_core.plan import AUTO_COMPILE_STEPS, Launch, Machine, make_plan
 from eblvm_core.recipe import load_recipe
@@ -185,7 +185,9 @@ def test_a_compiled_run_resumes_to_the_bit_and_records_how_it_stepped(tmp_path):
     half, _ = session_run(recipe, [*common, "run.steps=30"], out=tmp_path / "b", echo=lambda _line: None)
     lines: list[str] = []
     session_run(None, ["run.steps=60"], resume=half, echo=lines.append)
-    assert any(line.startswith("compile: the training step is traced into ") for line in lines), lines
+    compiling = lines.index(COMPILING)  # said before the trace, so the console says what the wait is for
+    traced = [line for line in lines[compiling:] if line.startswith("compile: the training step is traced into ")]
+    assert len(traced) == 1 and " and read from the compile cache (" in traced[0], lines  # the runs above compiled it
     a, b = ckpt.load(ckpt.last_checkpoint(straight)), ckpt.load(ckpt.last_checkpoint(half))
     for name, tensors in a["networks"].items():
         for key, value in tensors.items():
@@ -288,7 +290,7 @@ def test_a_step_that_fails_to_compile_trains_eagerly_under_auto_and_stops_under_
         RECIPES / "grbm_dsm.toml", overrides=[f"run.steps={AUTO_COMPILE_STEPS}", "~eval"], echo=said.append
     )
     assert auto.plan.compile is None and auto.compiled is None
-    assert said == ["warning: compile: eager step: compiling failed (CppCompileError: no C++ compiler)"]
+    assert said == [COMPILING, "warning: compile: eager step: compiling failed (CppCompileError: no C++ compiler)"]
     assert set(auto.step()) == {"loss"}  # the eager step
     with pytest.raises(ConfigError, match=r"\[run\] compile: true, but the step cannot be compiled: compiling failed"):
         session_run(

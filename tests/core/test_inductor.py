@@ -233,6 +233,7 @@ def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
     assert (compiled.calls, compiled.compiled_parts) == (K + 1, 2)
     assert [a.process.returncode for a in started] == ([0] if apart else [])
     assert inductor.cache_hits() - read_before == (1 if apart else 0), "the repeat read from the cache"
+    assert not compiled.from_cache
     start, rng = [w.clone(), v.clone()], torch.get_rng_state()
     eager = [{k: t.clone() for k, t in make_step(w, v)(b).items()} for b in batches]
     after, eager_rng = [w.clone(), v.clone()], torch.get_rng_state()
@@ -242,6 +243,7 @@ def test_a_cut_compiled_step_takes_the_eager_step(monkeypatch, tmp_path, apart):
     torch.testing.assert_close([w, v], after, rtol=1e-5, atol=1e-6)
     for mine, theirs in zip(got, eager):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert CompiledStep(make_step(w, v), [w, v], batches[0]).from_cache, "the same step again: both parts read"
 
 
 @pytest.mark.slow
