@@ -49,7 +49,7 @@ CHECKERBOARD = [
     ("BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ['estimator.unroll="adam"']),
     ("BiSSM (K=5, N=5): the main job", "grbm_bissm.toml", []),
     ("BiSSM, cosine rate", "grbm_bissm.toml", ['optim.model.schedule.kind="cosine"']),
-    ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", []),
+    ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", ["estimator.fixed_iterations=false"]),
     ("BiSM implicit (K=5, Neumann 40, fixed)", "grbm_bism_implicit.toml", ["estimator.fixed_iterations=true"]),
     ("VaGES-DSM (L=2, K=5)", "grbm_vagesdsm.toml", []),
     ("VaGES-KSD (L=2, K=5)", "grbm_vagesksd.toml", []),

@@ -42,7 +42,7 @@ CHECKERBOARD = [
     ("BiDSM (K=5, N=5, sgd)", "grbm_bidsm.toml", ['estimator.unroll="sgd"']),
     ("BiDSM (K=5, N=5, adam)", "grbm_bidsm.toml", ['estimator.unroll="adam"']),
     ("BiSSM (K=5, N=5)", "grbm_bissm.toml", []),
-    ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", []),
+    ("BiSM implicit (K=5, Neumann 40)", "grbm_bism_implicit.toml", ["estimator.fixed_iterations=false"]),
     ("VaGES-DSM (L=2, K=5)", "grbm_vagesdsm.toml", []),
     ("VaGES-KSD (L=2, K=5)", "grbm_vagesksd.toml", []),
     ("CD-1", "grbm_cd.toml", []),

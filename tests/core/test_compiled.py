@@ -242,8 +242,8 @@ def eblvm_core_sizes(spec):
         ("grbm_bissm.toml", [], None),  # 20,000 steps of a small model: compiled
         ("grbm_bissm.toml", [f"run.steps={AUTO_COMPILE_STEPS - 1}"], "too few to repay compiling"),
         ("grbm_bissm.toml", ["run.compile=false"], "[run] compile = false"),
-        ("grbm_bism_implicit.toml", [], "stop at a tolerance read on the host"),
-        ("grbm_bism_implicit.toml", ["estimator.fixed_iterations=true"], None),
+        ("grbm_bism_implicit.toml", ["estimator.fixed_iterations=false"], "stop at a tolerance read on the host"),
+        ("grbm_bism_implicit.toml", [], None),  # its solves run solver_steps iterations (fixed_iterations)
         ("grbm_bism_implicit.toml", ['estimator.hessian="fisher-blocks"'], None),
         ("grbm_nce.toml", [], None),
         ("grbm_vnce.toml", [], None),
@@ -264,16 +264,14 @@ def test_auto_keeps_large_networks_eager():
 
 def test_compile_true_on_a_step_that_cannot_compile_is_one_line_naming_run_compile(cli, write_recipe, tmp_path):
     recipe = write_recipe((RECIPES / "grbm_bism_implicit.toml").read_text())
-    for command in (
-        ["validate", recipe, "-o", "run.compile=true"],
-        ["run", recipe, "-o", "run.compile=true", "--out", tmp_path / "runs"],
-    ):
+    tolerance = ["-o", "run.compile=true", "-o", "estimator.fixed_iterations=false"]
+    for command in (["validate", recipe, *tolerance], ["run", recipe, *tolerance, "--out", tmp_path / "runs"]):
         result = cli(command)
         assert result.exit_code == 2, result.output
         assert "[run] compile: true, but the step cannot be compiled: its conjugate-gradient" in result.output
     assert not (tmp_path / "runs").exists()
     with pytest.raises(ConfigError, match="compile"):
-        plan_of("grbm_bism_implicit.toml", ["run.compile=true"])
+        plan_of("grbm_bism_implicit.toml", ["run.compile=true", "estimator.fixed_iterations=false"])
 
 
 def test_a_step_that_fails_to_compile_trains_eagerly_under_auto_and_stops_under_true(tmp_path, monkeypatch):

@@ -47,7 +47,11 @@ def test_the_sizes_count_every_parameter_and_the_trainable_ones_apart():
     [
         ("grbm_bissm.toml", [], None),  # small, but its step is replayed from a CUDA graph
         ("grbm_bissm.toml", ["run.cuda_graph=false"], "[run] cuda_graph = false"),
-        ("grbm_bism_implicit.toml", [], "its conjugate-gradient and Neumann solves stop at a tolerance"),
+        (
+            "grbm_bism_implicit.toml",
+            ["estimator.fixed_iterations=false"],
+            "its conjugate-gradient and Neumann solves stop at a tolerance",
+        ),
         ("grbm_nce.toml", [], None),  # its noise is drawn and scored without host reads
         ("grbm_bissm.toml", ['optim.model.schedule.kind="cosine"'], None),  # the rate is read from a device tensor
         # on a CUDA device optim.sgd is the fused kernel, which reads a scheduled rate from its tensor
@@ -166,7 +170,12 @@ def test_a_run_that_falls_back_to_the_cpu_builds_once_there_and_says_why(write_r
     monkeypatch.setattr(session_module, "build", counted)
     recipe = write_recipe((RECIPES / "grbm_bism_implicit.toml").read_text())
     said: list[str] = []
-    run_dir, _ = run(recipe, ["run.steps=20", "~eval", 'run.device="auto"'], out=tmp_path / "runs", echo=said.append)
+    run_dir, _ = run(
+        recipe,
+        ["run.steps=20", "~eval", 'run.device="auto"', "estimator.fixed_iterations=false"],
+        out=tmp_path / "runs",
+        echo=said.append,
+    )
     assert devices == [torch.device("cpu")]
     assert any(line.startswith("device auto:") and "training on the CPU" in line for line in said), said
     assert "device cpu" in next(line for line in said if line.startswith("run directory:"))
